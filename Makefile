@@ -1,0 +1,39 @@
+# Two commands a newcomer needs: `make train` runs the default job, `make test` runs the tests.
+# Both create .venv on first use and install everything this project needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+
+.PHONY: venv train test test-fast bench-transfer clean
+
+$(STAMP): pyproject.toml
+	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } || true
+	@[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] \
+		|| { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
+		|| echo "warning: could not install libibverbs1 (needed by transfer=mooncake_*)"
+	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[cpu,test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+train: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-$$( [ -n "$$WANDB_API_KEY" ] && echo online || echo offline )} \
+		$(BIN)/python train.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+bench-transfer: $(STAMP)
+	$(BIN)/python benchmarks/transfer_bench.py $(ARGS)
+
+clean:
+	rm -rf outputs multirun wandb .pytest_cache

@@ -1,0 +1,1 @@
+"""Application layer: config, RL algorithm, rollout engines and manager, learners."""

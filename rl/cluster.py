@@ -1,0 +1,214 @@
+"""Ray at the edge: start Ray, place and start engines, the rollout manager and the
+learner ranks, and stop all of them (also on error and Ctrl-C).
+
+The roles (``EngineProcess``, ``RolloutManager``, ``Learner``) are plain classes; this is
+the only module that turns them into Ray actors. ``Cluster`` hides the fan-out: the entry
+points call ``cluster.rollout.generate(step)`` or ``cluster.learners.train(ref)`` and get
+one answer back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from rl.config import Config
+from rl.runtime import Runtime
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Cluster:
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.engines: list[Any] = []
+        self.engine_urls: list[str] = []
+        self.rollout: RolloutHandle | None = None
+        self.learners: LearnerGroup | None = None
+        self.store: Any = None  # the driver's own store client (for remove)
+        self._pgs: list[Any] = []
+        self._started_ray = False
+
+    # -- start -------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        import ray
+        from ray.util.placement_group import placement_group
+
+        cfg = self.cfg
+        env = {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads), "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        if not ray.is_initialized():
+            ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
+                     include_dashboard=False, runtime_env={"env_vars": env},
+                     logging_level="WARNING")
+            self._started_ray = True
+        c = cfg.cluster
+        engine_pg = placement_group([_bundle(c.gpus_per_engine)] * c.num_engines, strategy="PACK")
+        learner_pg = placement_group([_bundle(c.gpus_per_learner)] * c.num_learners, strategy="PACK")
+        self._pgs = [engine_pg, learner_pg]
+        _wait_ready(self._pgs, timeout_s=60)
+        self.store = cfg.transfer.build(self.runtime, role="driver")
+        self._start_engines(engine_pg, env)
+        self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls)
+        self.learners = LearnerGroup(cfg, self.runtime, learner_pg)
+        self.learners.connect_engines(self.engine_clients())
+        return self
+
+    def _start_engines(self, pg, env: dict[str, str]) -> None:
+        import ray
+
+        from rl.rollout.engines.launcher import EngineProcess
+
+        c, rc = self.cfg.cluster, self.cfg.rollout
+        actor = ray.remote(EngineProcess)
+        for i in range(c.num_engines):
+            self.engines.append(actor.options(
+                num_cpus=0, num_gpus=c.gpus_per_engine or None,
+                scheduling_strategy=_in_bundle(pg, i)).remote(
+                    i, rc, self.runtime.model_path, self.cfg.seed, self.runtime.log_dir,
+                    None, env))
+        print(f"[cluster] starting {c.num_engines} {rc.name} engine(s); logs in {self.runtime.log_dir}",
+              flush=True)
+        self.engine_urls = ray.get([e.start.remote() for e in self.engines],
+                                   timeout=rc.engine_start_timeout_s + 60)
+        print(f"[cluster] engines up: {', '.join(self.engine_urls)}", flush=True)
+
+    def engine_clients(self) -> list:
+        from rl.rollout.client import EngineClient
+
+        return [EngineClient(u, f"engine-{i}", num_ranks=max(1, self.cfg.cluster.gpus_per_engine),
+                             timeout_s=self.cfg.weights.timeout_s)
+                for i, u in enumerate(self.engine_urls)]
+
+    # -- stop --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop everything this run started; safe to call after a partial start."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for closer in (self.learners, self.rollout, self.store):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception as e:  # keep stopping the rest; say what failed
+                    print(f"[cluster] {type(closer).__name__}.close failed: {e}", flush=True)
+        try:
+            ray.get([e.stop.remote() for e in self.engines], timeout=30)
+        except Exception as e:
+            print(f"[cluster] stopping engines: {e}", flush=True)
+        for a in self.engines + (self.learners.actors if self.learners else []) + \
+                ([self.rollout.actor] if self.rollout else []):
+            ray.kill(a)  # engine servers die with their actor (PR_SET_PDEATHSIG)
+        for pg in self._pgs:
+            ray.util.remove_placement_group(pg)
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "Cluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class RolloutHandle:
+    """The rollout manager actor, called like the plain class."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, engine_urls: list[str]) -> None:
+        import ray
+
+        from rl.rollout.manager import RolloutManager
+
+        self.actor = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, runtime, engine_urls)
+        self._ray = ray
+
+    def generate(self, step: int):
+        return self._ray.get(self.actor.generate.remote(step))
+
+    def generate_async(self, step: int):
+        return self.actor.generate.remote(step)
+
+    def remove(self, refs) -> None:
+        self._ray.get(self.actor.remove.remote(refs))
+
+    def state_dict(self) -> dict:
+        return self._ray.get(self.actor.state_dict.remote())
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ray.get(self.actor.load_state_dict.remote(state))
+
+    def close(self) -> None:
+        self._ray.get(self.actor.close.remote(), timeout=60)
+
+
+class LearnerGroup:
+    """All learner ranks as one object: each call fans out and returns rank 0's answer."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, pg) -> None:
+        import ray
+
+        from rl.learner.learner import Learner
+
+        n = cfg.cluster.num_learners
+        cls = ray.remote(Learner)
+        self.actors = [cls.options(num_cpus=0, num_gpus=cfg.cluster.gpus_per_learner or None,
+                                   scheduling_strategy=_in_bundle(pg, r)).remote(cfg, runtime, r, n)
+                       for r in range(n)]
+        self._ray = ray
+        addr, port = ray.get(self.actors[0].address.remote())
+        self._all("setup", addr, port)
+
+    def _all(self, method: str, *args, timeout: float | None = None) -> list:
+        return self._ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=timeout)
+
+    def train(self, ref) -> dict[str, float]:
+        return self._all("train", ref)[0]
+
+    def connect_engines(self, receivers: list) -> None:
+        self._all("connect_engines", receivers)
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        return self._all("push_weights", version)[0]
+
+    def full_state(self) -> dict:
+        return self._all("full_state")[0]
+
+    def save(self, path: str) -> None:
+        self._all("save", path)
+
+    def load(self, path: str) -> None:
+        self._all("load", path)
+
+    def close(self) -> None:
+        self._all("close", timeout=60)
+
+
+def _bundle(gpus: int) -> dict[str, float]:
+    # CPU roles reserve a sliver of a CPU so that many fit on a small machine.
+    return {"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 0.01}
+
+
+def _in_bundle(pg, index: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def _wait_ready(pgs: list, timeout_s: float) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for pg in pgs:
+        remaining = max(1.0, deadline - time.monotonic())
+        try:
+            ray.get(pg.ready(), timeout=remaining)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"Ray could not place bundles {pg.bundle_specs} within {timeout_s:.0f}s: "
+                               f"cluster resources are {ray.cluster_resources()}") from None

@@ -1,0 +1,495 @@
+"""Typed config schema (Hydra structured configs).
+
+Dataclasses are the schema, YAML under ``conf/`` holds values. Leaf checks live in each
+``__post_init__``, cross-field checks in ``Config.__post_init__``; both run when the
+entry point converts the composed config with ``load`` (before any worker starts). Each
+config group's dataclass builds its own backend and imports heavy dependencies lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    from rl.runtime import Runtime
+    from transfer.data.base import RolloutStore
+    from transfer.weights.base import WeightSync
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.I)
+_UNITS = {None: 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(value: Any, field_name: str) -> int:
+    """``"512mb"``/``"2gb"``/``1048576`` -> bytes (binary units). Raises a ValueError naming the field."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}={value!r} is not a size; use bytes or e.g. '512mb', '2gb'")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ValueError(f"{field_name}={value!r} is not a size; use bytes or e.g. '512mb', '2gb'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower() if m.group(2) else None])
+    if n < 0:
+        raise ValueError(f"{field_name}={value!r} must not be negative")
+    return n
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ValueError(f"{_prefix(obj)}{name}={value} must be > 0")
+
+
+def _prefix(obj: Any) -> str:
+    return getattr(obj, "_group", "") and f"{obj._group}."
+
+
+# ---------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class TinyModelConfig:
+    """Architecture of the built-in tiny Qwen2 model (used when ``model.path`` is unset)."""
+
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    intermediate_size: int = 256
+    """Width of the MLP."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    max_positions: int = 128
+    """Longest sequence (prompt + response) in tokens."""
+    init_seed: int = 0
+    """Seed of the initial weights; same seed, same weights, same cache entry."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "max_positions")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny: hidden_size must divide by num_heads and num_heads "
+                             "by num_kv_heads")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    _group = "model"
+    name: str = "tiny"
+    """Label of this model choice (shown in logs and W&B)."""
+    path: Optional[str] = None
+    """Hugging Face checkpoint directory; unset = the built-in tiny model, built and cached in code."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Architecture of the tiny model (ignored when ``path`` is set)."""
+    dtype: str = "float32"
+    """Learner parameter dtype (float32, bfloat16)."""
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template (for instruction-tuned checkpoints)."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            path = os.path.expanduser(self.path)
+            if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+                raise ValueError(f"model.path={self.path!r} is not a Hugging Face checkpoint "
+                                 "directory (no config.json there); pass a local path, models "
+                                 "are never downloaded at run time")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
+
+
+# ---------------------------------------------------------------------------------------
+# rollout
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class RolloutConfig:
+    _group = "rollout"
+    name: str = MISSING
+    """Engine kind: ``hf`` (CPU engine) or ``sglang``."""
+    prompts_per_step: int = 32
+    """Prompts drawn per training step."""
+    n_samples_per_prompt: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = 8
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are of the tempered distribution, on both sides)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    request_timeout_s: float = 300.0
+    """Bound on one generate request."""
+    engine_start_timeout_s: float = 180.0
+    """Bound on an engine becoming healthy; its log tail is reported when exceeded."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens",
+                  "request_timeout_s", "engine_start_timeout_s")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.n_samples_per_prompt
+
+    def server_command(self, model_path: str, host: str, port: int, index: int,
+                       seed: int) -> list[str]:
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class HFRolloutConfig(RolloutConfig):
+    name: str = "hf"
+    max_batch_size: int = 256
+    """Most requests the CPU engine decodes together."""
+    batch_wait_ms: float = 5.0
+    """How long the engine waits for more requests before starting a batch."""
+    device: str = "cpu"
+    """Device of the CPU engine's model (``cpu``; ``cuda`` works where available)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "max_batch_size")
+
+    def server_command(self, model_path: str, host: str, port: int, index: int,
+                       seed: int) -> list[str]:
+        import sys
+
+        return [sys.executable, "-m", "rl.rollout.engines.hf_server", "--model-path", model_path,
+                "--host", host, "--port", str(port), "--seed", str(seed + 1000 * index),
+                "--max-batch-size", str(self.max_batch_size),
+                "--batch-wait-ms", str(self.batch_wait_ms), "--device", self.device]
+
+
+# ---------------------------------------------------------------------------------------
+# transfer (rollout data path)
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class TransferConfig:
+    _group = "transfer"
+    name: str = MISSING
+    """Backend of the rollout-data path."""
+
+    def build(self, runtime: "Runtime", *, role: str) -> "RolloutStore":
+        """A store for this process; ``role`` is ``producer``, ``consumer`` or ``driver``."""
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class RayTransferConfig(TransferConfig):
+    name: str = "ray"
+
+    def build(self, runtime: "Runtime", *, role: str) -> "RolloutStore":
+        from transfer.data.ray_store import RayStore
+
+        return RayStore()
+
+
+# ---------------------------------------------------------------------------------------
+# weights (weight path)
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class WeightsConfig:
+    _group = "weights"
+    name: str = MISSING
+    """Weight path to the engines."""
+    bucket_bytes: Any = "512mb"
+    """Largest bucket per update call, in bytes or as '512mb'."""
+    backend: str = "auto"
+    """Side-group backend: ``gloo``, ``nccl``, or ``auto`` (nccl when learners use GPUs)."""
+    timeout_s: float = 120.0
+    """Bound on every group operation and engine call of a sync."""
+
+    def __post_init__(self) -> None:
+        self.bucket_bytes = parse_size(self.bucket_bytes, "weights.bucket_bytes")
+        if self.bucket_bytes <= 0:
+            raise ValueError("weights.bucket_bytes must be > 0")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"weights.backend={self.backend!r}: use auto, gloo or nccl")
+        _positive(self, "timeout_s")
+
+    def resolved_backend(self, on_gpu: bool) -> str:
+        return ("nccl" if on_gpu else "gloo") if self.backend == "auto" else self.backend
+
+    def build(self, *, rank: int, master_address: str, on_gpu: bool,
+              device: str) -> "WeightSync":
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class BroadcastWeightsConfig(WeightsConfig):
+    name: str = "broadcast"
+
+    def build(self, *, rank: int, master_address: str, on_gpu: bool,
+              device: str) -> "WeightSync":
+        from transfer.weights.broadcast import BroadcastSync
+
+        return BroadcastSync(rank=rank, master_address=master_address,
+                             bucket_bytes=self.bucket_bytes,
+                             backend=self.resolved_backend(on_gpu), timeout_s=self.timeout_s,
+                             device=device)
+
+
+# ---------------------------------------------------------------------------------------
+# algo
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class AlgoConfig:
+    _group = "algo"
+    name: str = "grpo"
+    """Algorithm label."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2 (0.999 got stuck on the tiny task in some seeds)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_schedule: str = "constant"
+    """``constant`` or ``cosine`` decay to ``min_lr_ratio * lr`` at ``num_steps``."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine schedule, as a fraction of ``lr``."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    clip_eps: float = 0.2
+    """PPO ratio clip range (lower side, and upper side unless ``clip_eps_high`` is set)."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip range (DAPO's clip-higher); unset = ``clip_eps``."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the initial (reference) policy; 0 = no reference model."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    micro_batch_size: int = 64
+    """Samples per forward/backward pass on one learner rank."""
+    advantage_std_norm: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr", "micro_batch_size", "grad_clip")
+        if self.clip_eps <= 0 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
+            raise ValueError("algo.clip_eps and algo.clip_eps_high must be > 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"algo.kl_coef={self.kl_coef} must be >= 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"algo.lr_schedule={self.lr_schedule!r}: use constant or cosine")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"algo.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+
+# ---------------------------------------------------------------------------------------
+# task
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class TaskConfig:
+    _group = "task"
+    name: str = MISSING
+    """Task label."""
+    seed: int = 0
+    """Seed of the prompt stream."""
+
+    def build(self):  # -> rl.tasks.Task
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class RepeatLetterTaskConfig(TaskConfig):
+    name: str = "repeat_letter"
+    repeat: int = 4
+    """How many times the letter must be repeated (``c:`` -> ``cccc``)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "repeat")
+
+    def build(self):
+        from rl.tasks.builtin import RepeatLetterTask
+
+        return RepeatLetterTask(repeat=self.repeat, seed=self.seed)
+
+
+@dataclass(kw_only=True)
+class AdditionTaskConfig(TaskConfig):
+    name: str = "addition"
+    max_value: int = 99
+    """Largest operand."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_value")
+
+    def build(self):
+        from rl.tasks.builtin import AdditionTask
+
+        return AdditionTask(max_value=self.max_value, seed=self.seed)
+
+
+@dataclass(kw_only=True)
+class JsonlTaskConfig(TaskConfig):
+    name: str = "jsonl"
+    path: str = MISSING
+    """JSONL file of ``{"prompt": ..., "label": ...}`` lines."""
+    reward: Any = field(default_factory=lambda: {"_target_": "rl.tasks.rewards.exact_match"})
+    """Reward function: ``{_target_: module.function, **kwargs}``, called as f(response, label, **kwargs)."""
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(os.path.expanduser(self.path)):
+            raise ValueError(f"task.path={self.path!r} does not exist (a JSONL file of "
+                             '{"prompt": ..., "label": ...} lines)')
+        reward = dict(self.reward) if isinstance(self.reward, (dict, DictConfig)) else None
+        if not reward or "_target_" not in reward:
+            raise ValueError("task.reward needs a '_target_' naming a function, e.g. "
+                             "{_target_: rl.tasks.rewards.exact_match}")
+        module, _, fn = str(reward["_target_"]).rpartition(".")
+        try:
+            getattr(importlib.import_module(module), fn)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"task.reward._target_={reward['_target_']!r} cannot be imported: {e}")
+        self.reward = reward
+
+    def build(self):
+        from rl.tasks.jsonl import JsonlTask
+
+        return JsonlTask(path=os.path.expanduser(self.path), reward=self.reward, seed=self.seed)
+
+
+# ---------------------------------------------------------------------------------------
+# cluster, logger, checkpoint
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class ClusterConfig:
+    _group = "cluster"
+    name: str = "local"
+    """Placement label."""
+    address: Optional[str] = None
+    """Ray cluster to join (``auto`` or host:port); unset = start a local Ray."""
+    num_engines: int = 2
+    """Rollout engine processes."""
+    num_learners: int = 2
+    """Learner ranks (FSDP2 data-parallel world)."""
+    gpus_per_engine: int = 0
+    """GPUs per engine (its tensor-parallel size); 0 = CPU engine."""
+    gpus_per_learner: int = 0
+    """0 = CPU learners with gloo, 1 = one GPU per rank with nccl."""
+    num_cpus: Optional[int] = None
+    """CPUs a local Ray may use; unset = all."""
+    torch_threads: int = 1
+    """Intra-op threads per CPU worker process (keeps small machines from oversubscribing)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_engines", "num_learners", "torch_threads")
+        if self.gpus_per_engine < 0 or self.gpus_per_learner not in (0, 1):
+            raise ValueError("cluster.gpus_per_engine must be >= 0 and cluster.gpus_per_learner 0 or 1")
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    _group = "logger"
+    name: str = MISSING
+    """``wandb`` or ``console``."""
+    wandb: bool = False
+    """Send metrics to Weights & Biases (online with WANDB_API_KEY, else offline)."""
+    project: str = "rl-datapath"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team); unset = the key's default."""
+    console_every: int = 1
+    """Print one compact line every this many steps."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 50
+    """Save model, optimizer, step and data position every this many steps (0 = never)."""
+    dir: Optional[str] = None
+    """Where to save; unset = ``<run output dir>/checkpoints``."""
+    resume: Optional[str] = None
+    """A checkpoint directory (``.../checkpoints/step_000050``) to resume from."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (older ones are deleted)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep_last <= 0:
+            raise ValueError("checkpoint.every must be >= 0 and checkpoint.keep_last > 0")
+        if self.resume is not None and not os.path.exists(
+                os.path.join(os.path.expanduser(self.resume), "trainer_state.json")):
+            raise ValueError(f"checkpoint.resume={self.resume!r} is not a checkpoint "
+                             "(no trainer_state.json there)")
+
+
+# ---------------------------------------------------------------------------------------
+# root
+# ---------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Config:
+    num_steps: int = 200
+    """Training steps (one rollout batch and one optimizer step each)."""
+    seed: int = 1
+    """Seed of learners, engines and sampling."""
+    run_name: Optional[str] = None
+    """Run label for W&B and store keys; unset = derived from the time."""
+    output_dir: Optional[str] = None
+    """Where metrics, logs and checkpoints go; unset = Hydra's run directory."""
+    model: ModelConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    transfer: TransferConfig = MISSING
+    weights: WeightsConfig = MISSING
+    algo: AlgoConfig = MISSING
+    task: TaskConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    logger: LoggerConfig = MISSING
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_steps")
+        batch, learners = self.rollout.batch_size, self.cluster.num_learners
+        if batch % learners:
+            raise ValueError(
+                f"rollout.prompts_per_step * rollout.n_samples_per_prompt = {batch} samples "
+                f"do not split evenly over cluster.num_learners={learners}; make it a multiple")
+        if self.rollout.name == "hf" and self.cluster.gpus_per_engine:
+            raise ValueError("rollout=hf runs one process per engine; set cluster.gpus_per_engine=0 "
+                             "or use rollout=sglang")
+
+
+_SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"base": ModelConfig},
+    "rollout": {"hf": HFRolloutConfig},
+    "transfer": {"ray": RayTransferConfig},
+    "weights": {"broadcast": BroadcastWeightsConfig},
+    "algo": {"grpo": AlgoConfig},
+    "task": {"repeat_letter": RepeatLetterTaskConfig, "addition": AdditionTaskConfig,
+             "jsonl": JsonlTaskConfig},
+    "cluster": {"base": ClusterConfig},
+    "logger": {"base": LoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Register the root schema as ``schema`` and each group's schemas as ``schema/<group>/<name>``;
+    the YAML files under ``conf/`` extend them."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for group, schemas in _SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+def load(cfg: DictConfig) -> Config:
+    """Composed Hydra config -> typed, validated, immutable-by-convention ``Config``."""
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, Config), type(obj)
+    return obj

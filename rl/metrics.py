@@ -1,0 +1,68 @@
+"""One metrics dict per step: appended to ``metrics.jsonl``, sent to W&B, printed compactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+from rl.config import Config
+from rl.runtime import Runtime
+
+
+class MetricsLogger:
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.path = os.path.join(runtime.output_dir, "metrics.jsonl")
+        os.makedirs(runtime.output_dir, exist_ok=True)
+        self.wandb = None
+        if cfg.logger.wandb:
+            self.wandb = _init_wandb(cfg, runtime)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if step % self.cfg.logger.console_every == 0 or step == self.cfg.num_steps - 1:
+            print(format_line(step, self.cfg.num_steps, metrics), flush=True)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _init_wandb(cfg: Config, runtime: Runtime):
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("logger=wandb needs the wandb package: pip install wandb "
+                          "(or use logger=console)") from e
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    tags = [f"{g}={getattr(cfg, g).name}" for g in ("model", "rollout", "transfer", "weights",
+                                                     "task", "cluster")]
+    run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, name=runtime.run_id,
+                     dir=runtime.output_dir, mode=mode, tags=tags,
+                     config=dataclasses.asdict(cfg))
+    print(f"[wandb] {mode} run {runtime.run_id} in {run.dir}", flush=True)
+    return run
+
+
+def _plain(v):
+    v = float(v)
+    return v if math.isfinite(v) else str(v)
+
+
+def format_line(step: int, num_steps: int, m: dict[str, float]) -> str:
+    def g(k: str, fmt: str) -> str:
+        return format(m[k], fmt) if k in m else "-"
+
+    return (f"step {step + 1}/{num_steps} | reward {g('rollout/reward_mean', '.3f')} "
+            f"| len {g('rollout/response_len_mean', '.1f')} | loss {g('train/loss', '+.4f')} "
+            f"| grad {g('train/grad_norm', '.2f')} | {g('perf/step_time', '.2f')}s "
+            f"(rollout {g('perf/rollout_time', '.2f')}, train {g('perf/train_time', '.2f')}, "
+            f"sync {g('perf/update_weights_time', '.2f')}) "
+            f"| put {g('transfer/put_ms', '.1f')}ms get {g('transfer/get_ms', '.1f')}ms")

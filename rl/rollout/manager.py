@@ -1,0 +1,187 @@
+"""RolloutManager: turns prompts into a stored, partitioned training batch.
+
+Per step: draw prompts from the task, send ``n_samples_per_prompt`` requests per prompt
+(concurrently, through one SGLang-protocol client pool), score each response, compute
+GRPO advantages, build a ``RolloutBatch``, split it over the learner ranks balanced by
+token count, ``put`` each partition into the store and return a small ``RolloutRef``.
+The batch itself never goes back to the driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from rl.algo import grpo_advantages
+from rl.config import Config
+from rl.model import load_tokenizer
+from rl.rollout.client import EngineClient, EnginePool
+from rl.runtime import Runtime
+from rl.tasks import Prompt
+from rl.types import RolloutBatch, RolloutRef
+
+
+class RolloutManager:
+    def __init__(self, cfg: Config, runtime: Runtime, engine_urls: list[str]) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.tokenizer = load_tokenizer(runtime.model_path)
+        self.task = cfg.task.build()
+        self.pool = EnginePool([EngineClient(u, f"engine-{i}", timeout_s=cfg.rollout.request_timeout_s)
+                                for i, u in enumerate(engine_urls)])
+        self.store = cfg.transfer.build(runtime, role="producer")
+        self.next_sample_id = 0
+
+    # -- the step ----------------------------------------------------------------------
+    def generate(self, step: int) -> RolloutRef:
+        rc = self.cfg.rollout
+        t0 = time.perf_counter()
+        prompts = self.task.next_prompts(rc.prompts_per_step)
+        sampling = {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
+                    "top_p": rc.top_p, "top_k": rc.top_k}
+        prompt_ids = [self._encode(p.text) for p in prompts]
+        answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
+                                              sampling, rc.request_timeout_s, label=f"step {step}"))
+        gen_s = time.perf_counter() - t0
+        batch = self._build_batch(prompts, answers)
+        parts = split_balanced(batch.prompt_len + batch.response_len, self.cfg.cluster.num_learners)
+        refs = self._put_partitions(batch, parts, step)
+        put_ms = [r.timings_ms.get("put_ms", 0.0) for r in refs]
+        encode_ms = [r.timings_ms.get("encode_ms", 0.0) for r in refs]
+        stats = {
+            "rollout/reward_mean": float(batch.rewards.mean()),
+            "rollout/reward_std": float(batch.rewards.std()),
+            "rollout/response_len_mean": float(batch.response_len.mean()),
+            "rollout/truncated_frac": float(np.mean([f != "stop" for f in batch.finish_reason])),
+            "rollout/generate_time": gen_s,
+            "rollout/samples_per_s": len(batch) / max(gen_s, 1e-9),
+            "rollout/weight_version_min": float(batch.weight_version.min()),
+            "transfer/put_ms": float(sum(put_ms)),
+            "transfer/encode_ms": float(sum(encode_ms)),
+            "transfer/bytes": float(sum(r.nbytes for r in refs)),
+        }
+        return RolloutRef(step=step, partitions=refs, num_samples=len(batch),
+                          num_loss_tokens=batch.num_loss_tokens, stats=stats)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.cfg.model.chat_template:
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _build_batch(self, prompts: list[Prompt], answers: list[list[dict]]) -> RolloutBatch:
+        tokens, masks, logps, plen, rlen, rewards = [], [], [], [], [], []
+        groups, reasons, labels, versions = [], [], [], []
+        for prompt, group in zip(prompts, answers):
+            prompt_ids = self._encode(prompt.text)  # same ids the engines were sent
+            for ans in group:
+                meta = ans["meta_info"]
+                out_ids = [int(t) for t in ans["output_ids"]]
+                lp = [float(x[0]) for x in meta["output_token_logprobs"]]
+                if len(lp) != len(out_ids):
+                    raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(out_ids)} tokens")
+                finished = meta["finish_reason"]["type"] == "stop"
+                tokens.append(np.asarray(prompt_ids + out_ids, dtype=np.int32))
+                masks.append(np.ones(len(out_ids), dtype=np.int8))
+                logps.append(np.asarray(lp, dtype=np.float32))
+                plen.append(len(prompt_ids))
+                rlen.append(len(out_ids))
+                rewards.append(self.task.reward(ans["text"], prompt.label, finished))
+                groups.append(prompt.index)
+                reasons.append("stop" if finished else "length")
+                labels.append(prompt.label)
+                versions.append(_version_number(meta.get("weight_version")))
+        n = len(tokens)
+        rewards_np = np.asarray(rewards, dtype=np.float32)
+        batch = RolloutBatch(
+            tokens=tokens, loss_mask=masks, rollout_logprobs=logps,
+            prompt_len=np.asarray(plen, dtype=np.int32), response_len=np.asarray(rlen, dtype=np.int32),
+            rewards=rewards_np,
+            advantages=grpo_advantages(rewards_np, self.cfg.rollout.n_samples_per_prompt,
+                                       self.cfg.algo.advantage_std_norm),
+            group_id=np.asarray(groups, dtype=np.int64),
+            sample_id=np.arange(self.next_sample_id, self.next_sample_id + n, dtype=np.int64),
+            weight_version=np.asarray(versions, dtype=np.int64),
+            finish_reason=reasons, label=labels)
+        self.next_sample_id += n
+        return batch
+
+    def _put_partitions(self, batch: RolloutBatch, parts: list[list[int]], step: int) -> list:
+        refs = []
+        try:
+            for rank, idx in enumerate(parts):
+                key = f"{self.runtime.run_id}/step-{step:06d}/rank-{rank}"
+                refs.append(self.store.put(batch.select(idx).to_columns(), key=key))
+        except BaseException:
+            self.store.remove(refs)  # nothing half-written stays behind
+            raise
+        return refs
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def remove(self, refs) -> None:
+        self.store.remove(refs)
+
+    def state_dict(self) -> dict:
+        return {"task": self.task.state_dict(), "next_sample_id": self.next_sample_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.task.load_state_dict(state["task"])
+        self.next_sample_id = int(state["next_sample_id"])
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# A module-level coroutine: an ``async def`` method would turn the Ray actor into an
+# asyncio actor, whose running event loop forbids ``asyncio.run`` in ``generate``.
+async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int, sampling: dict,
+                          timeout_s: float, label: str = "") -> list[list[dict]]:
+    """``n`` samples per prompt, all requests in flight at once; answers grouped by prompt."""
+    import aiohttp
+
+    total, done = len(prompt_ids) * n, 0
+    t0 = last_print = time.perf_counter()
+
+    async def one(session, input_ids: list[int]) -> dict:
+        nonlocal done, last_print
+        out = await pool.generate(session, {"input_ids": input_ids, "sampling_params": sampling,
+                                            "return_logprob": True}, timeout_s)
+        done += 1
+        now = time.perf_counter()
+        if now - last_print > 5.0:  # long generations (real models) show progress
+            last_print = now
+            print(f"[rollout] {label}: {done}/{total} samples, {now - t0:.0f}s", flush=True)
+        return out
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [[asyncio.ensure_future(one(session, ids)) for _ in range(n)] for ids in prompt_ids]
+        try:
+            return [list(await asyncio.gather(*group)) for group in tasks]
+        finally:
+            for group in tasks:
+                for t in group:
+                    t.cancel()
+
+
+def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
+    """Indices split into ``parts`` lists of equal size (len divisible by parts), balancing
+    the summed lengths: longest first, each to the lightest part that still has room."""
+    n = len(lengths)
+    assert n % parts == 0, (n, parts)
+    cap = n // parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(n), key=lambda i: -int(lengths[i])):
+        p = min((p for p in range(parts) if len(out[p]) < cap), key=load.__getitem__)
+        out[p].append(i)
+        load[p] += int(lengths[i])
+    return [sorted(o) for o in out]
+
+
+def _version_number(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1  # engine not yet synced ("default")

@@ -1,0 +1,87 @@
+"""Run-level helpers for the entry points: run directory, step timing, checkpoints."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+from rl.config import Config
+from rl.runtime import Runtime
+
+
+def prepare_run(cfg: Config) -> Runtime:
+    """Resolve the run directory and the model checkpoint (building the tiny one if needed)."""
+    from rl.model import resolve_model_path
+
+    output_dir = cfg.output_dir
+    if output_dir is None:
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            output_dir = HydraConfig.get().runtime.output_dir
+        except ValueError:  # not under @hydra.main (tests, notebooks)
+            output_dir = os.path.join("outputs", time.strftime("%Y-%m-%d/%H-%M-%S"))
+    output_dir = os.path.abspath(output_dir)
+    os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
+    runtime = Runtime(run_id=Runtime.new_run_id(cfg.run_name), output_dir=output_dir,
+                      model_path=resolve_model_path(cfg.model))
+    print(f"[run] {runtime.run_id}: outputs in {output_dir}", flush=True)
+    return runtime
+
+
+class StepTimer:
+    """``with timer("rollout"): ...`` -> ``perf/rollout_time``; ``metrics()`` adds step time."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+
+    def metrics(self) -> dict[str, float]:
+        step = time.perf_counter() - self.t0
+        out = {f"perf/{k}_time": v for k, v in self.times.items()}
+        out["perf/step_time"] = step
+        return out
+
+
+def checkpoint_root(cfg: Config, runtime: Runtime) -> str:
+    return os.path.abspath(os.path.expanduser(cfg.checkpoint.dir or
+                                              os.path.join(runtime.output_dir, "checkpoints")))
+
+
+def resume(cfg: Config, cluster) -> int:
+    """Load ``checkpoint.resume`` into learners and manager; return the step to start at."""
+    from rl.learner.checkpoint import read_trainer_state
+
+    if cfg.checkpoint.resume is None:
+        return 0
+    path = os.path.abspath(os.path.expanduser(cfg.checkpoint.resume))
+    state = read_trainer_state(path)
+    cluster.learners.load(path)
+    cluster.rollout.load_state_dict(state["rollout"])
+    print(f"[run] resumed from {path} at step {state['step']}", flush=True)
+    return int(state["step"])
+
+
+def maybe_save(cfg: Config, runtime: Runtime, cluster, step: int) -> None:
+    """Save after ``step`` steps when due (and at the end); prune old checkpoints."""
+    from rl.learner.checkpoint import prune, step_dir, write_trainer_state
+
+    every = cfg.checkpoint.every
+    if not every or (step % every and step != cfg.num_steps):
+        return
+    root = checkpoint_root(cfg, runtime)
+    path = step_dir(root, step)
+    cluster.learners.save(path)
+    write_trainer_state(path, {"step": step, "run_id": runtime.run_id,
+                               "rollout": cluster.rollout.state_dict()})
+    prune(root, cfg.checkpoint.keep_last)
+    print(f"[run] checkpoint {path}", flush=True)

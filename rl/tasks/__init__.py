@@ -1,0 +1,33 @@
+"""Tasks: a deterministic, resumable stream of prompts plus a reward for each response.
+
+Call order (the rollout manager)::
+
+    prompts = task.next_prompts(n)                      # advances the data position
+    r = task.reward(response_text, prompt.label, finished)   # finished = EOS was sampled
+    state = task.state_dict(); task.load_state_dict(state)  # checkpoint / resume
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    """Prompt text as the model sees it (before any chat template)."""
+    label: str
+    """What the reward compares the response with."""
+    index: int
+    """Position of the prompt in the task's stream (its group id)."""
+
+
+class Task(Protocol):
+    def next_prompts(self, n: int) -> list[Prompt]: ...
+
+    def reward(self, response: str, label: str, finished: bool) -> float: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

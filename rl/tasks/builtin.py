@@ -1,0 +1,74 @@
+"""Built-in verifiable tasks: prompts and graded rewards produced in code.
+
+Both give 0 reward when no end-of-sequence token was sampled: with partial credit for
+unfinished answers the policy never learns to stop (measured on the tiny model: stuck at
+0.5-0.8 reward).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+from rl.tasks import Prompt
+
+
+class _StreamTask:
+    """A stream of prompts where prompt ``i`` depends only on (seed, i): resumable by position."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.position = 0
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        out = []
+        for i in range(self.position, self.position + n):
+            text, label = self.make(random.Random(self.seed * 1_000_003 + i))
+            out.append(Prompt(text=text, label=label, index=i))
+        self.position += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+class RepeatLetterTask(_StreamTask):
+    """``c:`` -> ``cccc``. Reward: right characters over the longer of answer and target."""
+
+    def __init__(self, repeat: int = 4, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.repeat = repeat
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        letter = rng.choice(string.ascii_lowercase)
+        return f"{letter}:", letter * self.repeat
+
+    def reward(self, response: str, label: str, finished: bool) -> float:
+        if not finished:
+            return 0.0
+        hits = sum(a == b for a, b in zip(response, label))
+        return hits / max(len(response), len(label))
+
+
+class AdditionTask(_StreamTask):
+    """``12+34=`` -> ``46``. Reward: right digits (aligned from the right) over the longer length."""
+
+    def __init__(self, max_value: int = 99, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.max_value = max_value
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
+        return f"{a}+{b}=", str(a + b)
+
+    def reward(self, response: str, label: str, finished: bool) -> float:
+        if not finished:
+            return 0.0
+        hits = sum(a == b for a, b in zip(reversed(response), reversed(label)))
+        return hits / max(len(response), len(label))

@@ -1,0 +1,87 @@
+"""Typed messages that cross the rollout -> training seam.
+
+``RolloutBatch`` is what the rollout manager builds and a learner rank trains on; it is
+converted to a column dict (``to_columns``) only at the store boundary. ``RolloutRef`` is
+the small control-plane message the driver passes around instead of the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+import numpy as np
+
+from transfer.data.base import Columns, StoreRef
+
+
+@dataclass
+class RolloutBatch:
+    """Samples of one step (or one learner rank's partition of it). One row per sample."""
+
+    tokens: list[np.ndarray]
+    """int32 [prompt_len + response_len]: prompt ids then the sampled response ids, exactly as
+    sampled (never rewritten; the end-of-sequence token is kept when it was sampled)."""
+    loss_mask: list[np.ndarray]
+    """int8 [response_len]: 1 where the response token is trained on."""
+    rollout_logprobs: list[np.ndarray]
+    """float32 [response_len]: the engine's log-probs of the sampled response tokens."""
+    prompt_len: np.ndarray
+    """int32 [N]: prompt length in tokens."""
+    response_len: np.ndarray
+    """int32 [N]: response length in tokens."""
+    rewards: np.ndarray
+    """float32 [N]: scalar reward of each sample."""
+    advantages: np.ndarray
+    """float32 [N]: group-normalised advantage (one value per sample, broadcast over its tokens)."""
+    group_id: np.ndarray
+    """int64 [N]: index of the prompt (within the run) the sample answers."""
+    sample_id: np.ndarray
+    """int64 [N]: unique id of the sample within the run."""
+    weight_version: np.ndarray
+    """int64 [N]: version of the weights that generated the sample."""
+    finish_reason: list[str]
+    """``stop`` (end-of-sequence sampled) or ``length`` (hit max_new_tokens)."""
+    label: list[str]
+    """The task's label of the prompt (for debugging and evaluation)."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(sum(int(m.sum()) for m in self.loss_mask))
+
+    def to_columns(self) -> Columns:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_columns(cls, columns: Columns) -> "RolloutBatch":
+        names = {f.name for f in fields(cls)}
+        missing = names - columns.keys()
+        if missing:
+            raise ValueError(f"rollout columns lack {sorted(missing)}")
+        return cls(**{k: columns[k] for k in names})
+
+    def select(self, idx: Sequence[int]) -> "RolloutBatch":
+        """Rows ``idx`` as a new batch (arrays are views or copies, lists are new lists)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v[np.asarray(idx, dtype=np.int64)] if isinstance(v, np.ndarray) \
+                else [v[i] for i in idx]
+        return RolloutBatch(**out)
+
+
+@dataclass
+class RolloutRef:
+    """Control-plane message for one step: where each learner rank finds its partition."""
+
+    step: int
+    partitions: list[StoreRef]
+    """One ref per learner rank, in rank order."""
+    num_samples: int
+    num_loss_tokens: int
+    """Trained tokens over all partitions (the loss is normalised by this)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Rollout-side metrics of the step (reward mean, generation and put timings ...)."""

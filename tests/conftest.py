@@ -1,0 +1,65 @@
+"""Shared fixtures: composed configs, the tiny checkpoint, one local Ray per test module."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONF = os.path.join(REPO, "conf")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def compose(*overrides: str):
+    """The typed config that ``python train.py <overrides>`` would run with."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from rl.config import load, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return load(hydra_compose("config", overrides=list(overrides)))
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    from rl.config import ModelConfig
+    from rl.model import resolve_model_path
+
+    return resolve_model_path(ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
+                                       "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+def pids_with(fragment: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``fragment``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if fragment in cmd and state != "Z":
+            out.append(int(pid))
+    return out

@@ -1,0 +1,120 @@
+"""Every YAML under conf/ composes; bad input fails early with a message naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import CONF, REPO, compose
+
+GROUPS = sorted(d for d in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, d)))
+
+
+def _required(group: str, option: str, tmp_path, tiny_path) -> list[str]:
+    """Overrides a choice needs to compose (a checkpoint path, a data file)."""
+    if (group, option) == ("model", "hf"):
+        return [f"model.path={tiny_path}"]
+    if (group, option) == ("task", "jsonl"):
+        data = tmp_path / "train.jsonl"
+        data.write_text(json.dumps({"prompt": "a:", "label": "aaaa"}) + "\n")
+        return [f"task.path={data}"]
+    return []
+
+
+def test_every_group_is_present():
+    assert set(GROUPS) >= {"model", "rollout", "transfer", "weights", "algo", "task", "cluster",
+                           "logger"}
+
+
+@pytest.mark.parametrize("group,option", [
+    (g, f[:-5]) for g in GROUPS for f in sorted(os.listdir(os.path.join(CONF, g))) if f.endswith(".yaml")])
+def test_every_yaml_composes(group, option, tmp_path, tiny_path):
+    cfg = compose(f"{group}={option}", *_required(group, option, tmp_path, tiny_path))
+    node = getattr(cfg, group)
+    assert node.name == option or group in ("cluster", "model"), (group, option, node)
+
+
+def test_defaults():
+    cfg = compose()
+    assert (cfg.model.name, cfg.rollout.name, cfg.transfer.name, cfg.weights.name, cfg.task.name,
+            cfg.cluster.name, cfg.logger.name) == ("tiny", "hf", "ray", "broadcast",
+                                                    "repeat_letter", "local", "wandb")
+    assert cfg.cluster.num_engines >= 2 and cfg.cluster.num_learners >= 2
+    assert cfg.weights.bucket_bytes == 512 << 20
+
+
+@pytest.mark.parametrize("value,expected", [("512mb", 512 << 20), ("2gb", 2 << 30), (1024, 1024),
+                                            ("1.5kb", 1536), ("64", 64)])
+def test_sizes(value, expected):
+    assert compose(f"weights.bucket_bytes={value}").weights.bucket_bytes == expected
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("rollout.prompts_per_step=0", "rollout.prompts_per_step=0 must be > 0"),
+    ("rollout.n_samples_per_prompt=-2", "rollout.n_samples_per_prompt=-2 must be > 0"),
+    ("algo.micro_batch_size=0", "algo.micro_batch_size=0 must be > 0"),
+    ("weights.bucket_bytes='2 gigs'", "weights.bucket_bytes='2 gigs' is not a size"),
+    ("model.path=/nonexistent/ckpt", "model.path='/nonexistent/ckpt' is not a Hugging Face"),
+    ("cluster.num_learners=5", "do not split evenly over cluster.num_learners"),
+    ("checkpoint.resume=/nonexistent", "checkpoint.resume='/nonexistent' is not a checkpoint"),
+])
+def test_bad_values_name_the_field(override, fragment):
+    with pytest.raises(ValueError, match=None) as e:
+        compose(override)
+    assert fragment in str(e.value)
+
+
+def test_unknown_key_is_named():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose("transfer.protocl=tcp")
+    assert "transfer.protocl" in str(e.value)
+
+
+def test_wrong_type_is_named():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose("cluster.num_engines=two")
+    assert "num_engines" in str(e.value)
+
+
+def test_unknown_option_is_rejected():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as e:
+        compose("task=nope")
+    assert "task/nope" in str(e.value) or "nope" in str(e.value)
+
+
+def _run_train(*args: str, timeout: float = 30) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["cluster.num_enginez=2"], "cluster.num_enginez"),
+    (["task=unknown_task"], "task/unknown_task"),
+    (["rollout.prompts_per_step=-1"], "rollout.prompts_per_step=-1 must be > 0"),
+    (["model.path=/does/not/exist"], "/does/not/exist"),
+])
+def test_cli_rejects_bad_input_before_workers_start(args, fragment):
+    proc, seconds = _run_train(*args)
+    assert proc.returncode != 0
+    assert fragment in proc.stderr + proc.stdout
+    assert "[cluster]" not in proc.stdout  # nothing was started
+    assert seconds < 20
+
+
+def test_cli_help_is_fast():
+    proc, seconds = _run_train("--help")
+    assert proc.returncode == 0 and "transfer" in proc.stdout
+    assert seconds < 10

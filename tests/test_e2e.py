@@ -1,0 +1,114 @@
+"""``train.py`` as a user runs it: metrics, W&B offline run, checkpoint and resume, Ctrl-C,
+and (slow) the reward going up on the default task."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, pids_with
+
+REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
+            "transfer/put_ms", "transfer/get_ms", "transfer/bytes", "transfer/get_gbps",
+            "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl",
+            "train/clipfrac", "train/grad_norm", "train/tokens_per_s", "weights/bytes"]
+
+
+def train(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def read_metrics(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def engine_ports(stdout: str) -> list[str]:
+    m = re.search(r"engines up: (.*)", stdout)
+    assert m, stdout
+    return [u.rsplit(":", 1)[1] for u in m.group(1).split(", ")]
+
+
+def assert_nothing_left(ports: list[str]) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        left = [p for port in ports for p in pids_with(f"--port {port}")] + pids_with("ray::")
+        if not left:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"processes left behind: {left}")
+
+
+def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
+    out = tmp_path / "a"
+    proc = train("num_steps=3", "rollout.prompts_per_step=8", "checkpoint.every=2", f"output_dir={out}")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert all(isinstance(r[k], float) and np.isfinite(r[k]) for k in REQUIRED)
+        assert r["transfer/bytes"] > 0 and r["weights/bytes"] > 0
+    assert "step 3/3 | reward" in proc.stdout  # the console line
+    assert any(d.startswith("offline-run-") for d in os.listdir(out / "wandb"))
+    ckpts = sorted(os.listdir(out / "checkpoints"))
+    assert ckpts == ["step_000002", "step_000003"]
+    assert_nothing_left(engine_ports(proc.stdout))
+
+    out2 = tmp_path / "b"
+    proc = train("num_steps=4", "rollout.prompts_per_step=8", "checkpoint.every=2", "logger=console",
+                 f"checkpoint.resume={out / 'checkpoints' / 'step_000002'}", f"output_dir={out2}")
+    assert "resumed from" in proc.stdout
+    assert [r["step"] for r in read_metrics(out2)] == [2, 3]
+    with open(out2 / "checkpoints" / "step_000004" / "trainer_state.json") as f:
+        state = json.load(f)
+    assert state["step"] == 4
+    assert state["rollout"]["task"]["position"] == 4 * 8  # the data position carried over
+    assert state["rollout"]["next_sample_id"] == 4 * 8 * 8
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    proc = subprocess.Popen([sys.executable, "train.py", "num_steps=10000", "logger=console",
+                             "rollout.prompts_per_step=8", f"output_dir={tmp_path}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("step 2/"):
+                break
+        else:
+            raise AssertionError("".join(lines[-50:]))
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert_nothing_left(engine_ports("".join(lines)))
+
+
+@pytest.mark.slow
+def test_reward_rises_on_the_default_task(tmp_path):
+    """The default job, as `make train` runs it (console logger to keep the test offline)."""
+    t0 = time.monotonic()
+    train("logger=console", f"output_dir={tmp_path}", timeout=900)
+    rewards = [r["rollout/reward_mean"] for r in read_metrics(tmp_path)]
+    assert np.mean(rewards[:5]) < 0.1
+    assert np.mean(rewards[-10:]) > 0.9, rewards[-20:]
+    print(f"default job: {len(rewards)} steps in {time.monotonic() - t0:.0f}s, "
+          f"final reward {np.mean(rewards[-10:]):.3f}")

@@ -1,0 +1,53 @@
+"""Synchronous GRPO: generate -> train -> remove -> sync weights, one step at a time.
+
+    python train.py                                      # tiny model on CPU: 2 engines, 2 learners
+    python train.py transfer=mooncake_tcp weights=p2p    # choose each data path independently
+    python train.py --help                               # every config group and field
+
+The rollout batch never passes through this process: ``generate`` returns a small ref
+(control plane), each learner rank fetches its own partition from the store (data plane).
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from rl.config import load, register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(dcfg: DictConfig) -> None:
+    cfg = load(dcfg)  # typed and validated: bad input fails here, before any worker starts
+
+    from rl.cluster import Cluster
+    from rl.metrics import MetricsLogger
+    from rl.run import StepTimer, maybe_save, prepare_run, resume
+
+    runtime = prepare_run(cfg)
+    logger = MetricsLogger(cfg, runtime)
+    try:
+        with Cluster(cfg, runtime) as cluster:
+            rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
+            start = resume(cfg, cluster)
+            learners.push_weights(version=start)  # engines serve exactly the learner's weights
+
+            for step in range(start, cfg.num_steps):
+                timer = StepTimer()
+                with timer("rollout"):
+                    ref = rollout.generate(step)  # engines -> manager -> store; we get a ref
+                with timer("train"):
+                    metrics = learners.train(ref)  # each rank gets its partition and trains
+                store.remove(ref.partitions)  # every sample is consumed once
+                with timer("update_weights"):
+                    metrics |= learners.push_weights(version=step + 1)
+                logger.log(step, {**ref.stats, **metrics, **timer.metrics()})
+                maybe_save(cfg, runtime, cluster, step + 1)
+    finally:
+        logger.close()
+
+
+if __name__ == "__main__":
+    main()

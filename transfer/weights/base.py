@@ -1,0 +1,101 @@
+"""The weight seam: push the learner's parameters into the rollout engines.
+
+Two protocols meet here.
+
+``WeightReceiver`` is the engine side, the subset of SGLang's public weight-update API
+that a sender needs (the HTTP client in ``rl.rollout.client`` satisfies it, for SGLang and
+for the CPU engine alike)::
+
+    r.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                group_name, backend)      # joins the sender's side group
+    r.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                      flush_cache, weight_version)  # then receives a broadcast
+    r.get_weight_version()                                 # what the engine now serves
+    r.destroy_weights_update_group(group_name)
+
+``WeightSync`` is the learner side. Every learner rank calls every method in the same
+order, because gathering sharded (FSDP2) parameters is a collective::
+
+    sync.connect(receivers)             # once, after engines are up
+    sync.push(named_params, version)    # after every optimizer step
+    sync.close()                        # at exit (also on error)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    name: str
+    """Human-readable engine name used in errors (e.g. ``engine-1 (http://10.0.0.2:30001)``)."""
+    num_ranks: int
+    """Ranks this engine occupies in an update group (its tensor-parallel size)."""
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> None: ...
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]], group_name: str,
+                                        flush_cache: bool, weight_version: str) -> None: ...
+
+    def get_weight_version(self) -> str: ...
+
+    def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+
+@runtime_checkable
+class WeightSync(Protocol):
+    def connect(self, receivers: Sequence[WeightReceiver]) -> None: ...
+
+    def push(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Send every parameter to the engines; return metrics (``weights/bytes`` ...)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly sharded) parameter; a collective for DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group consecutive tensors into buckets of at most ``bucket_bytes`` (one tensor may
+    exceed it on its own only if it is larger than the bound; callers reject that early)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def with_last(it: Iterable) -> Iterator[tuple[object, bool]]:
+    """Yield ``(item, is_last)``; looks one item ahead."""
+    it = iter(it)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling SGLang's API expects)."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,138 @@
+"""``weights=broadcast``: learner rank 0 gathers each bucket and broadcasts it to every engine.
+
+One side group holds the sender (rank 0) and every engine rank. Per bucket, rank 0 asks
+each engine (over its HTTP API, in parallel threads) to receive the named tensors, then
+broadcasts them in the same order. All learner ranks take part in gathering the sharded
+parameters; only rank 0 sends.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Iterable, Sequence
+
+import torch
+
+from transfer.weights.base import (WeightReceiver, dtype_name, full_tensor, iter_buckets,
+                                   with_last)
+from transfer.weights.group import SideGroup, free_port, init_side_group
+
+
+class BroadcastSync:
+    group_name = "rl-weights-broadcast"
+
+    def __init__(self, *, rank: int, master_address: str, bucket_bytes: int, backend: str,
+                 timeout_s: float, device: torch.device | str = "cpu") -> None:
+        self.rank = rank
+        self.master_address = master_address
+        self.bucket_bytes = bucket_bytes
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        self.receivers: list[WeightReceiver] = []
+        self.group: SideGroup | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- setup -------------------------------------------------------------------------
+    def connect(self, receivers: Sequence[WeightReceiver]) -> None:
+        if self.rank != 0:
+            return
+        if not receivers:
+            raise ValueError("weights=broadcast needs at least one engine to send to")
+        self.receivers = list(receivers)
+        self._pool = ThreadPoolExecutor(max_workers=len(receivers), thread_name_prefix="wsync")
+        port = free_port()
+        world_size = 1 + sum(r.num_ranks for r in receivers)
+        offsets = [1 + sum(r.num_ranks for r in receivers[:i]) for i in range(len(receivers))]
+        futures = {
+            self._pool.submit(r.init_weights_update_group, self.master_address, port, off,
+                              world_size, self.group_name, self.backend): r
+            for r, off in zip(receivers, offsets)
+        }
+        try:
+            self.group = init_side_group(backend=self.backend, master_address=self.master_address,
+                                         master_port=port, rank=0, world_size=world_size,
+                                         group_name=self.group_name, timeout_s=self.timeout_s)
+        except Exception as e:  # the engines' answers say why the rendezvous failed
+            self._raise_engine_errors(futures, cause=e)
+            raise
+        self._raise_engine_errors(futures)
+
+    # -- per step ----------------------------------------------------------------------
+    def push(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        sent = 0
+        gathered = ((name, full_tensor(p)) for name, p in named_params)  # collective
+        for bucket, last in with_last(iter_buckets(gathered, self.bucket_bytes)):
+            if self.rank == 0:
+                sent += self._send_bucket(bucket, version, flush_cache=last)
+        if self.rank == 0:
+            check_versions(self.receivers, version, self._pool, self.timeout_s)
+        seconds = time.perf_counter() - t0
+        # The busiest sender moves `sent` bytes once per engine rank in a broadcast tree;
+        # we report the payload size, which is what each engine receives.
+        return {"weights/bytes": float(sent), "weights/sender_bytes": float(sent),
+                "weights/push_s": seconds}
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int,
+                     flush_cache: bool) -> int:
+        assert self.group is not None and self._pool is not None, "connect() first"
+        names = [n for n, _ in bucket]
+        dtypes = [dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        futures = {
+            self._pool.submit(r.update_weights_from_distributed, names, dtypes, shapes,
+                              self.group_name, flush_cache, str(version)): r
+            for r in self.receivers
+        }
+        nbytes = 0
+        try:
+            for _, t in bucket:
+                t = t.to(self.device).contiguous()
+                self.group.broadcast(t, src=0)
+                nbytes += t.numel() * t.element_size()
+        except Exception as e:
+            self._raise_engine_errors(futures, cause=e)
+            raise
+        self._raise_engine_errors(futures)
+        return nbytes
+
+    def _raise_engine_errors(self, futures: dict, cause: BaseException | None = None) -> None:
+        done, pending = wait(futures, timeout=self.timeout_s)
+        errors = [f"{futures[f].name}: {f.exception()}" for f in done if f.exception()]
+        errors += [f"{futures[f].name}: no answer within {self.timeout_s:.0f}s" for f in pending]
+        if errors:
+            raise RuntimeError("weight update failed on " + "; ".join(errors)) from cause
+
+    # -- teardown ----------------------------------------------------------------------
+    def close(self) -> None:
+        if self.group is not None:
+            for r in self.receivers:
+                try:
+                    r.destroy_weights_update_group(self.group_name)
+                except Exception as e:  # an engine already gone has nothing left to destroy
+                    print(f"[weights] {r.name}: destroy_weights_update_group failed: {e}")
+            self.group.destroy()
+            self.group = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def check_versions(receivers: Sequence[WeightReceiver], version: int,
+                   pool: ThreadPoolExecutor | None, timeout_s: float) -> None:
+    """Every engine must now report ``version``; a stale engine is an error, never skipped."""
+    if not receivers:
+        return
+    assert pool is not None
+    futures = {pool.submit(r.get_weight_version): r for r in receivers}
+    done, pending = wait(futures, timeout=timeout_s)
+    problems = [f"{futures[f].name}: no answer within {timeout_s:.0f}s" for f in pending]
+    for f in done:
+        if f.exception() is not None:
+            problems.append(f"{futures[f].name}: {f.exception()}")
+        elif str(f.result()) != str(version):
+            problems.append(f"{futures[f].name}: reports version {f.result()!r}, expected {version!r}")
+    if problems:
+        raise RuntimeError("engines do not serve the pushed weights: " + "; ".join(problems))
