@@ -9,6 +9,7 @@ one answer back.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -30,6 +31,7 @@ class Cluster:
         self.store: Any = None  # the driver's own store client (for remove)
         self._pgs: list[Any] = []
         self._started_ray = False
+        self._stop_services = None
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -38,12 +40,17 @@ class Cluster:
 
         cfg = self.cfg
         env = {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads), "TOKENIZERS_PARALLELISM": "false",
+               "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING"),  # Mooncake logs INFO by default
                "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         if not ray.is_initialized():
             ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
                      include_dashboard=False, runtime_env={"env_vars": env},
                      logging_level="WARNING")
             self._started_ray = True
+        num_nodes = len([n for n in ray.nodes() if n["Alive"]])
+        services, self._stop_services = cfg.transfer.start_services(
+            self.runtime, num_nodes, estimate_step_bytes(cfg))
+        self.runtime = dataclasses.replace(self.runtime, num_nodes=num_nodes, transfer=services)
         c = cfg.cluster
         engine_pg = placement_group([_bundle(c.gpus_per_engine)] * c.num_engines, strategy="PACK")
         learner_pg = placement_group([_bundle(c.gpus_per_learner)] * c.num_learners, strategy="PACK")
@@ -104,6 +111,8 @@ class Cluster:
             ray.kill(a)  # engine servers die with their actor (PR_SET_PDEATHSIG)
         for pg in self._pgs:
             ray.util.remove_placement_group(pg)
+        if self._stop_services is not None:
+            self._stop_services()
         if self._started_ray:
             ray.shutdown()
 
@@ -164,6 +173,7 @@ class LearnerGroup:
         self._ray = ray
         addr, port = ray.get(self.actors[0].address.remote())
         self._all("setup", addr, port)
+        self._all("connect_store")  # segments are mounted before the first put
 
     def _all(self, method: str, *args, timeout: float | None = None) -> list:
         return self._ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=timeout)
@@ -188,6 +198,14 @@ class LearnerGroup:
 
     def close(self) -> None:
         self._all("close", timeout=60)
+
+
+def estimate_step_bytes(cfg: Config) -> int:
+    """Upper bound of one step's rollout batch in a store, for capacity checks."""
+    from rl.types import RolloutBatch
+
+    return RolloutBatch.estimate_nbytes(cfg.rollout.batch_size, cfg.rollout.max_prompt_tokens,
+                                        cfg.rollout.max_new_tokens)
 
 
 def _bundle(gpus: int) -> dict[str, float]:

@@ -9,10 +9,11 @@ config group's dataclass builds its own backend and imports heavy dependencies l
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -122,6 +123,8 @@ class RolloutConfig:
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = 8
     """Longest response in tokens."""
+    max_prompt_tokens: int = 1024
+    """Longest prompt in tokens (a longer one is an error); also sizes store capacity checks."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are of the tempered distribution, on both sides)."""
     top_p: float = 1.0
@@ -134,7 +137,7 @@ class RolloutConfig:
     """Bound on an engine becoming healthy; its log tail is reported when exceeded."""
 
     def __post_init__(self) -> None:
-        _positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens",
+        _positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "max_prompt_tokens",
                   "request_timeout_s", "engine_start_timeout_s")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be >= 0")
@@ -183,8 +186,16 @@ class TransferConfig:
     name: str = MISSING
     """Backend of the rollout-data path."""
 
-    def build(self, runtime: "Runtime", *, role: str) -> "RolloutStore":
-        """A store for this process; ``role`` is ``producer``, ``consumer`` or ``driver``."""
+    def start_services(self, runtime: "Runtime", num_nodes: int,
+                       bytes_per_step: int) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
+        """Driver side, before any worker starts: check the environment, start what the
+        backend needs (a local master). Returns settings for ``runtime.transfer`` and a stop
+        function."""
+        return {}, None
+
+    def build(self, runtime: "Runtime", *, role: str,
+              contribute_segment: bool = False) -> "RolloutStore":
+        """A store client for this process; ``role`` is producer, consumer or driver."""
         raise NotImplementedError
 
 
@@ -192,10 +203,180 @@ class TransferConfig:
 class RayTransferConfig(TransferConfig):
     name: str = "ray"
 
-    def build(self, runtime: "Runtime", *, role: str) -> "RolloutStore":
+    def build(self, runtime: "Runtime", *, role: str,
+              contribute_segment: bool = False) -> "RolloutStore":
         from transfer.data.ray_store import RayStore
 
         return RayStore()
+
+
+@dataclass(kw_only=True)
+class MooncakeTransferConfig(TransferConfig):
+    name: str = "mooncake_tcp"
+    master_server_address: Optional[str] = None
+    """Mooncake master ``host:port``; unset = env MOONCAKE_MASTER, else a local master is started
+    (single machine only)."""
+    metadata_server: Optional[str] = None
+    """HTTP metadata server URL; unset = env MOONCAKE_METADATA_SERVER, else
+    ``http://<master host>:8080/metadata`` (the master's built-in one)."""
+    local_hostname: Optional[str] = None
+    """Address this client is reached at; unset = env MOONCAKE_LOCAL_HOSTNAME, else the Ray node IP."""
+    protocol: Optional[str] = None
+    """``tcp`` or ``rdma``; unset = env MOONCAKE_PROTOCOL, else tcp."""
+    device_name: Optional[str] = None
+    """RDMA device(s), e.g. ``mlx5_0``; unset = env MOONCAKE_DEVICE (read on each node)."""
+    global_segment_size: Any = "1gb"
+    """Memory each contributing client (learner local rank 0) lends to the store."""
+    local_buffer_size: Any = "64mb"
+    """Client-side transfer buffer of every client."""
+    chunk_bytes: Any = "64mb"
+    """Largest single object; payloads are split into chunks of this size."""
+    replica_num: int = 1
+    """Copies of every object (on different segments)."""
+    codec: str = "packed"
+    """``packed`` (ours: one registered buffer, chunked) or ``bundle`` (MooncakeBundleTransfer)."""
+    init_kwargs: Any = None
+    """Extra client ``setup`` keys, a mapping or a JSON string; they win over the fields above."""
+    master_start_timeout_s: float = 15.0
+    """Bound on a locally started master becoming ready."""
+
+    def __post_init__(self) -> None:
+        for f in ("global_segment_size", "local_buffer_size", "chunk_bytes"):
+            setattr(self, f, parse_size(getattr(self, f), f"transfer.{f}"))
+        if self.chunk_bytes <= 0:
+            raise ValueError("transfer.chunk_bytes must be > 0")
+        if self.global_segment_size < 16 << 20:  # Mooncake refuses smaller segments
+            raise ValueError(f"transfer.global_segment_size={self.global_segment_size} bytes is "
+                             "below Mooncake's minimum of 16mb")
+        if self.protocol is not None and self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"transfer.protocol={self.protocol!r}: use tcp or rdma")
+        if self.codec not in ("packed", "bundle"):
+            raise ValueError(f"transfer.codec={self.codec!r}: use packed or bundle")
+        if self.replica_num < 1:
+            raise ValueError(f"transfer.replica_num={self.replica_num} must be >= 1")
+        self.init_kwargs = _parse_init_kwargs(self.init_kwargs)
+
+    def resolved_protocol(self) -> str:
+        proto = self.protocol or os.environ.get("MOONCAKE_PROTOCOL") or "tcp"
+        if proto not in ("tcp", "rdma"):
+            raise ValueError(f"MOONCAKE_PROTOCOL={proto!r}: use tcp or rdma")
+        return proto
+
+    def start_services(self, runtime: "Runtime", num_nodes: int,
+                       bytes_per_step: int) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
+        from transfer.data.mooncake_store import import_mooncake
+
+        import_mooncake()  # a missing or wrong wheel is reported here, before workers start
+        proto = self.resolved_protocol()
+        device = self.device_name or os.environ.get("MOONCAKE_DEVICE")
+        if proto == "rdma":
+            if not device:
+                raise ValueError("transfer protocol rdma needs a device: set transfer.device_name "
+                                 "(e.g. mlx5_0) or export MOONCAKE_DEVICE on every node before "
+                                 "`ray start`; or use transfer=mooncake_tcp")
+            if num_nodes == 1 and not _rdma_devices():
+                raise ValueError(f"transfer protocol rdma: this machine has no RDMA device "
+                                 f"(/sys/class/infiniband is empty), {device!r} cannot work; "
+                                 "use transfer=mooncake_tcp")
+        host = self.local_hostname or os.environ.get("MOONCAKE_LOCAL_HOSTNAME")
+        if num_nodes > 1 and host and _is_loopback(host):
+            raise ValueError(f"transfer.local_hostname={host!r} is a loopback address but the Ray "
+                             f"cluster has {num_nodes} nodes: other nodes cannot reach it; unset it "
+                             "(the Ray node IP is used) or give this node's routable address")
+        need = bytes_per_step * self.replica_num
+        if self.global_segment_size < need:
+            raise ValueError(f"transfer.global_segment_size={self.global_segment_size} bytes is too "
+                             f"small: one step's rollout batch needs about {need} bytes "
+                             f"({self.replica_num} replica(s)); set transfer.global_segment_size="
+                             f"{_human(need * 2)} or more")
+        master = self.master_server_address or os.environ.get("MOONCAKE_MASTER")
+        if master:
+            metadata = (self.metadata_server or os.environ.get("MOONCAKE_METADATA_SERVER")
+                        or f"http://{master.rpartition(':')[0]}:8080/metadata")
+            return {"master_server_address": master, "metadata_server": metadata}, None
+        if num_nodes > 1:
+            raise ValueError(
+                f"transfer=mooncake_*: no master address and the Ray cluster has {num_nodes} "
+                "nodes. Start a master on one node: python -m transfer.data.mooncake_master "
+                "--host <that node's IP>, then export MOONCAKE_MASTER=<ip>:50051 and "
+                "MOONCAKE_METADATA_SERVER=http://<ip>:8080/metadata on every node before `ray start`")
+        from transfer.data.mooncake_master import MooncakeMaster
+
+        m = MooncakeMaster("127.0.0.1", log_path=os.path.join(runtime.log_dir, "mooncake_master.log"))
+        m.start(timeout_s=self.master_start_timeout_s)
+        print(f"[mooncake] started a local master (pid {m.proc.pid}) at {m.address}; "
+              f"log {m.log_path}", flush=True)
+        return {"master_server_address": m.address, "metadata_server": m.metadata_server,
+                "admin_url": m.admin_url, "master_pid": str(m.proc.pid)}, m.stop
+
+    def build(self, runtime: "Runtime", *, role: str,
+              contribute_segment: bool = False) -> "RolloutStore":
+        from rl.runtime import node_ip
+        from transfer.data.mooncake_store import MooncakeSettings, MooncakeStore
+
+        if "master_server_address" not in runtime.transfer:
+            raise RuntimeError("the Mooncake master is not resolved: start_services() runs first")
+        settings = MooncakeSettings(
+            master_server_address=runtime.transfer["master_server_address"],
+            metadata_server=runtime.transfer["metadata_server"],
+            local_hostname=(self.local_hostname or os.environ.get("MOONCAKE_LOCAL_HOSTNAME")
+                            or node_ip()),
+            protocol=self.resolved_protocol(),
+            device_name=self.device_name or os.environ.get("MOONCAKE_DEVICE", ""),
+            global_segment_size=self.global_segment_size if contribute_segment else 0,
+            local_buffer_size=self.local_buffer_size, chunk_bytes=self.chunk_bytes,
+            replica_num=self.replica_num, codec=self.codec, init_kwargs=dict(self.init_kwargs))
+        return MooncakeStore(settings)
+
+
+def _parse_init_kwargs(value: Any) -> dict[str, Any]:
+    from transfer.data.mooncake_store import SETUP_KEYS
+
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"transfer.init_kwargs is not valid JSON ({e}): {value!r}") from None
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"transfer.init_kwargs must be a mapping or a JSON object, got {value!r}")
+    unknown = sorted(set(value) - SETUP_KEYS)
+    if unknown:
+        raise ValueError(f"transfer.init_kwargs: unknown Mooncake setup keys {unknown}; "
+                         f"known: {sorted(SETUP_KEYS)}")
+    out = dict(value)
+    for k in ("global_segment_size", "local_buffer_size"):
+        if k in out:
+            out[k] = parse_size(out[k], f"transfer.init_kwargs.{k}")
+    for k in ("enable_ssd_offload", "enable_client_http_server"):
+        if k in out and not isinstance(out[k], bool):
+            raise ValueError(f"transfer.init_kwargs.{k}={out[k]!r} must be true or false")
+    if "client_http_port" in out and (isinstance(out["client_http_port"], bool)
+                                      or not isinstance(out["client_http_port"], int)):
+        raise ValueError(f"transfer.init_kwargs.client_http_port={out['client_http_port']!r} "
+                         "must be an integer")
+    return out
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _human(n: int) -> str:
+    for unit, size in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10)):
+        if n >= size:
+            return f"{-(-n // size)}{unit}"
+    return str(n)
 
 
 # ---------------------------------------------------------------------------------------
@@ -466,7 +647,7 @@ class Config:
 _SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"base": ModelConfig},
     "rollout": {"hf": HFRolloutConfig},
-    "transfer": {"ray": RayTransferConfig},
+    "transfer": {"ray": RayTransferConfig, "mooncake": MooncakeTransferConfig},
     "weights": {"broadcast": BroadcastWeightsConfig},
     "algo": {"grpo": AlgoConfig},
     "task": {"repeat_letter": RepeatLetterTaskConfig, "addition": AdditionTaskConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,8 @@ class Runtime:
     """Resolved checkpoint directory (the tiny model's cache entry when model.path is unset)."""
     num_nodes: int = 1
     """Ray nodes alive when the run started."""
+    transfer: dict[str, str] = field(default_factory=dict)
+    """What the rollout-data backend resolved on the driver (e.g. the Mooncake master address)."""
 
     @staticmethod
     def new_run_id(name: str | None) -> str:

@@ -52,6 +52,14 @@ class RolloutBatch:
     def num_loss_tokens(self) -> int:
         return int(sum(int(m.sum()) for m in self.loss_mask))
 
+    @staticmethod
+    def estimate_nbytes(num_samples: int, max_prompt_tokens: int, max_new_tokens: int) -> int:
+        """Upper bound of the payload of ``num_samples`` samples (codec alignment included)."""
+        per_sample = (4 * (max_prompt_tokens + max_new_tokens)  # tokens
+                      + 5 * max_new_tokens                         # loss_mask + rollout_logprobs
+                      + 3 * 8 + 4 * 4 + 3 * 8)                     # offsets, scalar columns
+        return num_samples * per_sample + 64 * 16
+
     def to_columns(self) -> Columns:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -12,6 +12,7 @@ CONF = os.path.join(REPO, "conf")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 

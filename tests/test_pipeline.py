@@ -13,7 +13,12 @@ from tests.conftest import compose, pids_with
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, tmp_path_factory):
-    cfg = compose("rollout.prompts_per_step=8", "logger=console", "num_steps=2",
+    # A task whose rewards vary even for the untrained model, so that training moves weights.
+    data = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "{c * 4}"}}\n' for c in "abcdefgh"))
+    cfg = compose("rollout.prompts_per_step=8", "rollout.max_new_tokens=40", "logger=console",
+                  "num_steps=2", "task=jsonl", f"task.path={data}",
+                  "task.reward._target_=tests.helpers.length_reward",
                   f"output_dir={tmp_path_factory.mktemp('run')}")
     c = Cluster(cfg, prepare_run(cfg)).start()
     yield c

@@ -75,13 +75,16 @@ class Learner:
                                            weight_decay=a.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.pad_id = load_tokenizer(self.runtime.model_path).pad_token_id or 0
-        self._store = self._weight_sync = None
+        ips: list = [None] * self.world_size
+        dist.all_gather_object(ips, node_ip())
+        self.local_rank = ips[:self.rank].count(ips[self.rank])
+        self.store = None
+        self._weight_sync = None
 
-    @property
-    def store(self):
-        if self._store is None:
-            self._store = self.cfg.transfer.build(self.runtime, role="consumer")
-        return self._store
+    def connect_store(self) -> None:
+        """Open this rank's store client; local rank 0 of each node lends the node's segment."""
+        self.store = self.cfg.transfer.build(self.runtime, role="consumer",
+                                             contribute_segment=self.local_rank == 0)
 
     @property
     def weight_sync(self):
@@ -221,7 +224,7 @@ class Learner:
 
     def close(self) -> None:
         try:
-            for part in (self._weight_sync, self._store):
+            for part in (self._weight_sync, self.store):
                 if part is not None:
                     part.close()
         finally:

@@ -42,6 +42,10 @@ class RolloutManager:
         sampling = {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
                     "top_p": rc.top_p, "top_k": rc.top_k}
         prompt_ids = [self._encode(p.text) for p in prompts]
+        too_long = [len(ids) for ids in prompt_ids if len(ids) > rc.max_prompt_tokens]
+        if too_long:
+            raise ValueError(f"{len(too_long)} prompt(s) of up to {max(too_long)} tokens exceed "
+                             f"rollout.max_prompt_tokens={rc.max_prompt_tokens}; raise it")
         answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
                                               sampling, rc.request_timeout_s, label=f"step {step}"))
         gen_s = time.perf_counter() - t0
