@@ -52,27 +52,31 @@ class StoreError(RuntimeError):
 
 
 def import_mooncake():
-    """``mooncake.store`` with an install hint for each way the import fails."""
+    """``mooncake.store``, or an ImportError that says what to install."""
     # Mooncake logs at INFO by default (several lines per client); keep warnings and errors
     # unless the user asks for more. Read when the library loads.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake import store
     except ImportError as e:
-        msg = str(e)
-        if "libcuda" in msg:
-            raise ImportError(
-                "the installed Mooncake wheel is a CUDA build and needs libcuda.so.1, which this "
-                "machine lacks: pip uninstall -y mooncake-transfer-engine mooncake-transfer-engine-cuda13 "
-                f"&& pip install mooncake-transfer-engine-non-cuda ({msg})") from e
-        if "libibverbs" in msg:
-            raise ImportError(f"Mooncake needs libibverbs1: apt-get install -y libibverbs1 ({msg})") from e
-        if "No module named 'mooncake" in msg:
-            raise ImportError(
-                "transfer=mooncake_* needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
-                "(machines without CUDA) or mooncake-transfer-engine-cuda13 (CUDA 13 images)") from e
-        raise
+        raise explain_import_error(e) from e
     return store
+
+
+def explain_import_error(e: ImportError) -> ImportError:
+    msg = str(e)
+    if "libcuda" in msg:
+        return ImportError(
+            "the installed Mooncake wheel is a CUDA build and needs libcuda.so.1, which this "
+            "machine lacks: pip uninstall -y mooncake-transfer-engine mooncake-transfer-engine-cuda13 "
+            f"&& pip install mooncake-transfer-engine-non-cuda ({msg})")
+    if "libibverbs" in msg:
+        return ImportError(f"Mooncake needs libibverbs1: apt-get install -y libibverbs1 ({msg})")
+    if "No module named 'mooncake" in msg:
+        return ImportError(
+            "transfer=mooncake_* needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
+            "(machines without CUDA) or mooncake-transfer-engine-cuda13 (CUDA 13 images)")
+    return e
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,142 @@
+"""train.py over Mooncake: no key left (checked through the master), a killed master stops
+the run cleanly, and every bad input is refused early with an actionable message."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rl.runtime import Runtime
+from tests.conftest import REPO, compose, pids_with
+from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
+from transfer.data.mooncake_master import MooncakeMaster
+from transfer.data.mooncake_store import explain_import_error
+
+SMALL = ["rollout.prompts_per_step=8", "logger=console"]
+
+
+def test_train_py_with_an_external_master_leaves_no_key(tmp_path):
+    master = MooncakeMaster("127.0.0.1", log_path=str(tmp_path / "master.log")).start()
+    try:
+        proc = train("transfer=mooncake_tcp", "num_steps=3", *SMALL, f"output_dir={tmp_path}",
+                     f"transfer.master_server_address={master.address}",
+                     f"transfer.metadata_server={master.metadata_server}")
+        assert "started a local master" not in proc.stdout
+        rows = read_metrics(tmp_path)
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        for r in rows:
+            for k in REQUIRED + ["transfer/encode_ms", "transfer/decode_ms"]:
+                assert k in r, k
+            assert r["transfer/bytes"] > 0 and r["transfer/get_ms"] > 0
+        assert master.keys() == []  # every step's keys were removed, seen by the store itself
+        assert master.proc.poll() is None  # an external master is left running
+        assert_nothing_left(engine_ports(proc.stdout))
+    finally:
+        master.stop()
+
+
+@pytest.mark.parametrize("codec", ["packed", "bundle"])
+def test_train_py_with_a_local_master(tmp_path, codec):
+    proc = train("transfer=mooncake_tcp", f"transfer.codec={codec}", "num_steps=2", *SMALL,
+                 f"output_dir={tmp_path}")
+    m = re.search(r"started a local master \(pid (\d+)\) at ([\d.]+):(\d+)", proc.stdout)
+    assert m, proc.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert pids_with(f"-rpc_port={m.group(3)}") == []  # stopped with the run
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+def test_killed_master_stops_the_run_with_an_error_naming_the_store(tmp_path):
+    proc = subprocess.Popen([sys.executable, "train.py", "transfer=mooncake_tcp", "num_steps=10000",
+                             *SMALL, f"output_dir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            lines.append(proc.stdout.readline())
+            if lines[-1].startswith("step 2/"):
+                break
+        else:
+            raise AssertionError("".join(lines[-40:]))
+        pid = int(re.search(r"local master \(pid (\d+)\)", "".join(lines)).group(1))
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rest, _ = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "Mooncake store" in rest, rest[-3000:]
+    assert elapsed < 90
+    assert_nothing_left(engine_ports("".join(lines)))
+
+
+def _cli(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "train.py", *args, "logger=console"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["transfer.init_kwargs='{\"tenant_id\": '"], "transfer.init_kwargs is not valid JSON"),
+    (["transfer.init_kwargs={colour: blue}"], "unknown Mooncake setup keys ['colour']"),
+    (["transfer.init_kwargs={client_http_port: abc}"], "client_http_port='abc' must be an integer"),
+    (["transfer.replica_num=two"], "replica_num"),
+    (["transfer.protocl=tcp"], "transfer.protocl"),
+    (["transfer.global_segment_size='2 gigs'"], "transfer.global_segment_size='2 gigs' is not a size"),
+    (["transfer.global_segment_size=1mb"], "below Mooncake's minimum of 16mb"),
+    (["transfer.protocol=udp"], "transfer.protocol='udp': use tcp or rdma"),
+])
+def test_config_errors_before_anything_starts(args, fragment):
+    proc, seconds = _cli("transfer=mooncake_tcp", *args)
+    assert proc.returncode != 0 and fragment in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert "[cluster]" not in proc.stdout and seconds < 10
+
+
+@pytest.mark.parametrize("args,env,fragment", [
+    (["transfer=mooncake_rdma"], {"MOONCAKE_DEVICE": ""}, "protocol rdma needs a device"),
+    (["transfer=mooncake_rdma", "transfer.device_name=mlx5_0"], {}, "has no RDMA device"),
+    (["transfer=mooncake_tcp", "transfer.master_server_address=127.0.0.1:9"], {}, "unreachable"),
+    (["transfer=mooncake_tcp", "transfer.global_segment_size=16mb",
+      "rollout.max_prompt_tokens=100000"], {}, "set transfer.global_segment_size="),
+])
+def test_environment_errors_before_workers_start(args, env, fragment, tmp_path):
+    proc, seconds = _cli(*args, f"output_dir={tmp_path}", env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and fragment in out, out[-3000:]
+    assert "engines up" not in out and seconds < 30
+    assert pids_with(str(tmp_path)) == []
+
+
+def test_loopback_hostname_with_several_nodes_is_refused(tmp_path):
+    cfg = compose("transfer=mooncake_tcp", "transfer.local_hostname=127.0.0.1")
+    runtime = Runtime("t", str(tmp_path), "/nonexistent")
+    with pytest.raises(ValueError, match="loopback address but the Ray cluster has 2 nodes"):
+        cfg.transfer.start_services(runtime, num_nodes=2, bytes_per_step=1 << 20)
+
+
+def test_no_master_on_several_nodes_says_what_to_start(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    cfg = compose("transfer=mooncake_tcp")
+    with pytest.raises(ValueError, match="python -m transfer.data.mooncake_master"):
+        cfg.transfer.start_services(Runtime("t", str(tmp_path), "/x"), num_nodes=2,
+                                    bytes_per_step=1 << 20)
+
+
+@pytest.mark.parametrize("message,fragment", [
+    ("libcuda.so.1: cannot open shared object file", "pip install mooncake-transfer-engine-non-cuda"),
+    ("libibverbs.so.1: cannot open shared object file", "apt-get install -y libibverbs1"),
+    ("No module named 'mooncake'", "pip install mooncake-transfer-engine-non-cuda"),
+])
+def test_import_errors_name_the_package(message, fragment):
+    assert fragment in str(explain_import_error(ImportError(message)))
