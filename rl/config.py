@@ -229,7 +229,7 @@ class MooncakeTransferConfig(TransferConfig):
     """Memory each contributing client (learner local rank 0) lends to the store."""
     local_buffer_size: Any = "64mb"
     """Client-side transfer buffer of every client."""
-    chunk_bytes: Any = "64mb"
+    chunk_bytes: Any = "4mb"
     """Largest single object; payloads are split into chunks of this size."""
     replica_num: int = 1
     """Copies of every object (on different segments)."""

@@ -6,6 +6,7 @@ Encoding, per field (order kept):
   along axis 0 into one values buffer, plus an int64 offsets buffer ``[n + 1]``;
 * dense (``np.ndarray``): its bytes as they are, with dtype and shape;
 * scalars (a list of ``int``/``float``/``bool``, no ``None``): one typed array;
+* strings (a list of ``str``, no ``None``): their UTF-8 bytes concatenated, plus offsets;
 * anything else JSON can hold (strings, ``None``, short metadata): inside the manifest.
 
 Nothing is pickled: a payload read from a store cannot run code. ``plan`` computes the
@@ -84,6 +85,14 @@ def plan(columns: Columns) -> Plan:
                 "values": reserve(values_nbytes, lambda dst, arrs=arrays, dt=dtype, t=tail:
                                   _concat(dst, arrs, dt, t)),
                 "offsets": reserve(offsets.nbytes, lambda dst, o=offsets: _copy(dst, o))})
+        elif kind == "strings":
+            blobs = [v.encode("utf-8") for v in value]
+            offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
+            np.cumsum([len(b) for b in blobs], out=offsets[1:])
+            joined = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+            fields.append({"name": name, "kind": "strings", "count": len(blobs),
+                           "values": reserve(joined.nbytes, lambda dst, a=joined: _copy(dst, a)),
+                           "offsets": reserve(offsets.nbytes, lambda dst, o=offsets: _copy(dst, o))})
         elif kind == "scalars":
             pytype = "bool" if all(isinstance(x, (bool, np.bool_)) for x in value) else \
                 "int" if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -114,6 +123,8 @@ def _kind(name: str, value: Any) -> str:
             return "ragged"
         if all(isinstance(x, (bool, int, float, np.bool_, np.integer, np.floating)) for x in value):
             return "scalars"
+        if all(isinstance(x, str) for x in value):
+            return "strings"
         if any(isinstance(x, np.ndarray) for x in value):
             raise TypeError(f"column {name!r} mixes arrays and other values")
     return "json"
@@ -165,6 +176,10 @@ def decode(manifest: bytes | dict, payload) -> Columns:
             values = view(f["values"], f["dtype"]).reshape((-1, *f["tail"]))
             offsets = view(f["offsets"], "<i8").tolist()
             out[f["name"]] = [values[offsets[i]:offsets[i + 1]] for i in range(f["count"])]
+        elif kind == "strings":
+            raw = view(f["values"], "|u1").tobytes()
+            offsets = view(f["offsets"], "<i8").tolist()
+            out[f["name"]] = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(f["count"])]
         elif kind == "scalars":
             out[f["name"]] = view(f["at"], f["dtype"]).tolist()
         elif kind == "json":

@@ -91,7 +91,7 @@ class MooncakeSettings:
     global_segment_size: int = 0
     """Bytes this client contributes to the store (0 = none: producers, drivers)."""
     local_buffer_size: int = 64 << 20
-    chunk_bytes: int = 64 << 20
+    chunk_bytes: int = 4 << 20
     replica_num: int = 1
     codec: str = "packed"
     init_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -235,7 +235,9 @@ class MooncakeStore:
             raise
         finally:
             self.staging.release(buf)
-        return StoreRef(key=key, backend=self.backend, nbytes=n, handle={"keys": written},
+        # The ref carries a copy of the (small) manifest: a reader skips one store round trip.
+        return StoreRef(key=key, backend=self.backend, nbytes=n,
+                        handle={"keys": written, "manifest": plan.manifest},
                         timings_ms={"encode_ms": (t1 - t0) * 1e3, "put_ms": (t2 - t0) * 1e3})
 
     # -- get ---------------------------------------------------------------------------
@@ -244,13 +246,7 @@ class MooncakeStore:
             raise ValueError(f"ref {ref.key!r} was written by {ref.backend!r}, not by mooncake")
         if "bundle" in ref.handle:
             return self._get_bundle(ref)
-        manifest_key = f"{ref.key}/manifest"
-        raw = self.client.get(manifest_key)
-        if not raw:
-            raise StoreError(f"Mooncake store (master {self.settings.master_server_address}) has no "
-                             f"{manifest_key!r}: removed already, or the learner holding its segment "
-                             "closed")
-        manifest = json.loads(raw)
+        manifest = ref.handle.get("manifest") or self._read_manifest(ref.key)
         n, chunk = manifest["nbytes"], manifest["chunk_bytes"]
         keys = [f"{ref.key}/{i}" for i in range((n + chunk - 1) // chunk)]
         buf = self.receive.acquire(max(n, 1))
@@ -261,7 +257,10 @@ class MooncakeStore:
                                                  sizes)
                 bad = [(k, rc) for k, rc, s in zip(keys, rcs, sizes) if rc != s]
                 if bad:
-                    raise self._fail(f"get of {bad[0][0]!r}", bad[0][1] if bad[0][1] < 0 else -10)
+                    gone = " (removed already, or the learner holding its segment closed)" \
+                        if bad[0][1] == _NOT_FOUND else ""
+                    raise self._fail(f"get of {bad[0][0]!r}{gone}",
+                                     bad[0][1] if bad[0][1] < 0 else -10)
             t0 = time.perf_counter()
             # the views keep `exporter` alive; when the last one goes, the buffer is reused
             exporter = (ctypes.c_uint8 * max(n, 1)).from_address(buf.ptr)
@@ -272,6 +271,14 @@ class MooncakeStore:
         except BaseException:
             self.receive.release(buf)
             raise
+
+    def _read_manifest(self, key: str) -> dict:
+        raw = self.client.get(f"{key}/manifest")
+        if not raw:
+            raise StoreError(f"Mooncake store (master {self.settings.master_server_address}) has no "
+                             f"{key + '/manifest'!r}: removed already, or the learner holding its "
+                             "segment closed")
+        return json.loads(raw)
 
     # -- remove / close ----------------------------------------------------------------
     def remove(self, refs: Sequence[StoreRef]) -> None:
