@@ -242,7 +242,7 @@ def inner_two_hosts(args) -> None:
 
 def finish(args, rows: list[dict], title: str) -> None:
     print_table(rows, title)
-    out = {"title": title, "command": " ".join(sys.argv), "machine": platform.platform(),
+    out = {"title": title, "command": os.environ.get("BENCH_COMMAND", " ".join(sys.argv)), "machine": platform.platform(),
            "cpus": os.cpu_count(), "runs": args.runs, "warmup": args.warmup, "rows": rows,
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -322,7 +322,8 @@ def two_hosts(args) -> None:
                f"--runs={args.runs}", f"--warmup={args.warmup}", f"--chunk-bytes={args.chunk_bytes}",
                "--sizes", *map(str, args.sizes),
                "--backends", *args.backends]
-        subprocess.run(cmd, env={**env, "RAY_TMPDIR": f"/tmp/ray_{net.a}"}, check=True)
+        subprocess.run(cmd, env={**env, "RAY_TMPDIR": f"/tmp/ray_{net.a}",
+                                 "BENCH_COMMAND": " ".join(["python", *sys.argv])}, check=True)
     finally:
         net.remove()
 
