@@ -60,6 +60,10 @@ class Cluster:
         self._start_engines(engine_pg, env)
         self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls)
         self.learners = LearnerGroup(cfg, self.runtime, learner_pg)
+        plan = cfg.weights.describe_plan(c.num_learners, self.engine_clients())
+        print(f"[weights] {cfg.weights.name} plan: {plan}", flush=True)
+        with open(os.path.join(self.runtime.output_dir, "weights_plan.txt"), "w") as f:
+            f.write(f"weights={cfg.weights.name}: {plan}\n")
         self.learners.connect_engines(self.engine_clients())
         return self
 

@@ -402,10 +402,14 @@ class WeightsConfig:
             raise ValueError(f"weights.backend={self.backend!r}: use auto, gloo or nccl")
         _positive(self, "timeout_s")
 
+    def describe_plan(self, num_learners: int, receivers: list) -> str:
+        """Which learner rank sends to which engine (printed at start, saved in the run dir)."""
+        return "learner 0 -> " + ", ".join(r.name for r in receivers)
+
     def resolved_backend(self, on_gpu: bool) -> str:
         return ("nccl" if on_gpu else "gloo") if self.backend == "auto" else self.backend
 
-    def build(self, *, rank: int, master_address: str, on_gpu: bool,
+    def build(self, *, rank: int, world_size: int, master_address: str, on_gpu: bool,
               device: str) -> "WeightSync":
         raise NotImplementedError
 
@@ -414,7 +418,7 @@ class WeightsConfig:
 class BroadcastWeightsConfig(WeightsConfig):
     name: str = "broadcast"
 
-    def build(self, *, rank: int, master_address: str, on_gpu: bool,
+    def build(self, *, rank: int, world_size: int, master_address: str, on_gpu: bool,
               device: str) -> "WeightSync":
         from transfer.weights.broadcast import BroadcastSync
 
@@ -422,6 +426,24 @@ class BroadcastWeightsConfig(WeightsConfig):
                              bucket_bytes=self.bucket_bytes,
                              backend=self.resolved_backend(on_gpu), timeout_s=self.timeout_s,
                              device=device)
+
+
+@dataclass(kw_only=True)
+class P2PWeightsConfig(WeightsConfig):
+    name: str = "p2p"
+
+    def describe_plan(self, num_learners: int, receivers: list) -> str:
+        from transfer.weights.p2p import format_plan, plan_p2p
+
+        return format_plan(plan_p2p(num_learners, receivers), receivers)
+
+    def build(self, *, rank: int, world_size: int, master_address: str, on_gpu: bool,
+              device: str) -> "WeightSync":
+        from transfer.weights.p2p import P2PSync
+
+        return P2PSync(rank=rank, world_size=world_size, master_address=master_address,
+                       bucket_bytes=self.bucket_bytes, backend=self.resolved_backend(on_gpu),
+                       timeout_s=self.timeout_s, device=device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -648,7 +670,7 @@ _SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"base": ModelConfig},
     "rollout": {"hf": HFRolloutConfig},
     "transfer": {"ray": RayTransferConfig, "mooncake": MooncakeTransferConfig},
-    "weights": {"broadcast": BroadcastWeightsConfig},
+    "weights": {"broadcast": BroadcastWeightsConfig, "p2p": P2PWeightsConfig},
     "algo": {"grpo": AlgoConfig},
     "task": {"repeat_letter": RepeatLetterTaskConfig, "addition": AdditionTaskConfig,
              "jsonl": JsonlTaskConfig},

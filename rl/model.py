@@ -121,3 +121,12 @@ def eos_token_ids(path: str, tokenizer) -> list[int]:
             eos = json.load(f).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if i is not None)
+
+
+def largest_param_bytes(path: str, dtype: str) -> int:
+    """Bytes of the largest parameter (embedding or MLP matrix), read from config.json only."""
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    hidden = int(c.get("hidden_size", 0))
+    biggest = max(int(c.get("vocab_size", 0)) * hidden, int(c.get("intermediate_size", 0)) * hidden)
+    return biggest * torch.tensor([], dtype=getattr(torch, dtype)).element_size()

@@ -12,7 +12,7 @@ from rl.runtime import Runtime
 
 def prepare_run(cfg: Config) -> Runtime:
     """Resolve the run directory and the model checkpoint (building the tiny one if needed)."""
-    from rl.model import resolve_model_path
+    from rl.model import largest_param_bytes, resolve_model_path
 
     output_dir = cfg.output_dir
     if output_dir is None:
@@ -24,8 +24,14 @@ def prepare_run(cfg: Config) -> Runtime:
             output_dir = os.path.join("outputs", time.strftime("%Y-%m-%d/%H-%M-%S"))
     output_dir = os.path.abspath(output_dir)
     os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
+    model_path = resolve_model_path(cfg.model)
+    largest = largest_param_bytes(model_path, cfg.model.dtype)
+    if cfg.weights.bucket_bytes < largest:
+        raise ValueError(f"weights.bucket_bytes={cfg.weights.bucket_bytes} is smaller than the "
+                         f"model's largest tensor ({largest} bytes); set weights.bucket_bytes to "
+                         f"at least that, e.g. {-(-largest // (1 << 20))}mb")
     runtime = Runtime(run_id=Runtime.new_run_id(cfg.run_name), output_dir=output_dir,
-                      model_path=resolve_model_path(cfg.model))
+                      model_path=model_path)
     print(f"[run] {runtime.run_id}: outputs in {output_dir}", flush=True)
     return runtime
 

@@ -41,7 +41,9 @@ def load_learner(path: str, model, optimizer, scheduler) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     with open(os.path.join(path, "scheduler.json")) as f:
-        scheduler.load_state_dict(json.load(f))
+        state = json.load(f)
+    state["lr_lambdas"] = [None] * len(scheduler.lr_lambdas)  # keep this run's lambdas
+    scheduler.load_state_dict(state)
 
 
 def write_trainer_state(path: str, state: dict) -> None:

@@ -90,7 +90,8 @@ class Learner:
     def weight_sync(self):
         if self._weight_sync is None:
             self._weight_sync = self.cfg.weights.build(
-                rank=self.rank, master_address=node_ip(), on_gpu=self.on_gpu, device=str(self.device))
+                rank=self.rank, world_size=self.world_size, master_address=node_ip(),
+                on_gpu=self.on_gpu, device=str(self.device))
         return self._weight_sync
 
     def _lr_factor(self, step: int) -> float:

@@ -36,10 +36,13 @@ class BroadcastSync:
 
     # -- setup -------------------------------------------------------------------------
     def connect(self, receivers: Sequence[WeightReceiver]) -> None:
-        if self.rank != 0:
-            return
         if not receivers:
             raise ValueError("weights=broadcast needs at least one engine to send to")
+        if self.rank == 0:
+            self._open_group(receivers)
+
+    def _open_group(self, receivers: Sequence[WeightReceiver]) -> None:
+        """Host a side group with ``receivers`` (this process is rank 0 in it)."""
         self.receivers = list(receivers)
         self._pool = ThreadPoolExecutor(max_workers=len(receivers), thread_name_prefix="wsync")
         port = free_port()
@@ -68,12 +71,15 @@ class BroadcastSync:
             if self.rank == 0:
                 sent += self._send_bucket(bucket, version, flush_cache=last)
         if self.rank == 0:
-            check_versions(self.receivers, version, self._pool, self.timeout_s)
-        seconds = time.perf_counter() - t0
-        # The busiest sender moves `sent` bytes once per engine rank in a broadcast tree;
-        # we report the payload size, which is what each engine receives.
-        return {"weights/bytes": float(sent), "weights/sender_bytes": float(sent),
-                "weights/push_s": seconds}
+            self._check_versions(version)
+        # One sender feeds every engine: with gloo/nccl broadcast it moves about one copy per
+        # engine rank; `weights/bytes` is the model size each engine receives.
+        return {"weights/bytes": float(sent),
+                "weights/sender_bytes": float(sent * sum(r.num_ranks for r in self.receivers)),
+                "weights/push_s": time.perf_counter() - t0}
+
+    def _check_versions(self, version: int) -> None:
+        check_versions(self.receivers, version, self._pool, self.timeout_s)
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int,
                      flush_cache: bool) -> int:

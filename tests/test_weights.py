@@ -1,0 +1,132 @@
+"""Weight paths: the p2p plan, every transfer x weights combination keeps the engines
+bit-identical to the learner after every sync, and faults end in bounded, named errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from rl.cluster import Cluster
+from rl.run import prepare_run
+from tests.conftest import REPO, compose
+from tests.test_pipeline import assert_engines_hold
+from transfer.weights.broadcast import check_versions
+from transfer.weights.p2p import plan_p2p
+
+
+@dataclass
+class _Engine:
+    """Stands in for an engine's answers in plan and version checks (no process behind it)."""
+
+    name: str
+    num_ranks: int = 1
+    version: str = "0"
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+
+@pytest.mark.parametrize("engines,senders,expected", [
+    (4, 2, [[0, 2], [1, 3]]),
+    (2, 2, [[0], [1]]),
+    (1, 2, [[0], []]),
+    (3, 1, [[0, 1, 2]]),
+    (5, 2, [[0, 2, 4], [1, 3]]),
+])
+def test_p2p_plan_is_round_robin(engines, senders, expected):
+    plan = plan_p2p(senders, [_Engine(f"e{i}") for i in range(engines)])
+    assert plan == expected
+    assert sorted(sum(plan, [])) == list(range(engines))  # every engine exactly once
+
+
+def test_p2p_plan_balances_ranks_not_engines():
+    # a tensor-parallel engine of 4 ranks receives 4 copies: it gets a sender of its own
+    plan = plan_p2p(2, [_Engine("a", 4), _Engine("b"), _Engine("c"), _Engine("d")])
+    assert plan == [[0], [1, 2, 3]]
+
+
+def test_p2p_plan_needs_engines():
+    with pytest.raises(ValueError, match="at least one engine"):
+        plan_p2p(2, [])
+
+
+def test_stale_engine_version_is_an_error_naming_it():
+    engines = [_Engine("engine-0", version="4"), _Engine("engine-1", version="3")]
+    with ThreadPoolExecutor(2) as pool, pytest.raises(RuntimeError) as e:
+        check_versions(engines, 4, pool, timeout_s=5)
+    assert "engine-1: reports version '3', expected 4" in str(e.value)
+    assert "engine-0" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def ray_module(ray_local):
+    return ray_local
+
+
+@pytest.mark.parametrize("transfer", ["ray", "mooncake_tcp"])
+@pytest.mark.parametrize("weights", ["broadcast", "p2p"])
+def test_every_combination_keeps_engines_bit_identical(ray_module, transfer, weights, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "{c * 4}"}}\n' for c in "abcd"))
+    cfg = compose(f"transfer={transfer}", f"weights={weights}", "weights.bucket_bytes=64kb",
+                  "rollout.prompts_per_step=4", "rollout.max_new_tokens=40", "logger=console",
+                  "task=jsonl", f"task.path={data}", "task.reward._target_=tests.helpers.length_reward",
+                  f"output_dir={tmp_path}")
+    cluster = Cluster(cfg, prepare_run(cfg)).start()
+    try:
+        cluster.learners.push_weights(version=0)
+        assert_engines_hold(cluster, cluster.learners.full_state(), 0)
+        for step in range(2):
+            ref = cluster.rollout.generate(step)
+            assert set(ref.stats) >= {"rollout/reward_mean", "transfer/put_ms"}
+            cluster.learners.train(ref)
+            cluster.store.remove(ref.partitions)
+            metrics = cluster.learners.push_weights(version=step + 1)
+            assert metrics["weights/bytes"] > 0
+            assert_engines_hold(cluster, cluster.learners.full_state(), step + 1)
+        if transfer == "mooncake_tcp":
+            from transfer.data.mooncake_master import list_keys
+
+            assert list_keys(cluster.runtime.transfer["admin_url"]) == []
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("weights", ["broadcast", "p2p"])
+def test_engine_dying_during_a_sync_fails_fast_naming_it(ray_module, weights, tmp_path):
+    cfg = compose(f"weights={weights}", "weights.timeout_s=15", "weights.bucket_bytes=64kb",
+                  "rollout.prompts_per_step=4", "logger=console", f"output_dir={tmp_path}")
+    cluster = Cluster(cfg, prepare_run(cfg)).start()
+    try:
+        cluster.learners.push_weights(version=0)
+        pid = ray_module.get(cluster.engines[1].pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as e:
+            cluster.learners.push_weights(version=1)
+        assert time.monotonic() - t0 < 60
+        assert "engine-1" in str(e.value)
+    finally:
+        t0 = time.monotonic()
+        cluster.shutdown()
+        assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["weights=p2p", "weights.bucket_bytes=1kb"], "weights.bucket_bytes=1024 is smaller than the model's largest tensor"),
+    (["weights=p2p", "cluster.num_engines=0"], "cluster.num_engines=0 must be > 0"),
+    (["weights=nope"], "weights/nope"),
+])
+def test_weight_misconfiguration_is_refused_before_workers_start(args, fragment):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "train.py", *args, "logger=console"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and fragment in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert "[cluster]" not in proc.stdout and time.monotonic() - t0 < 15
