@@ -24,7 +24,7 @@ def main(dcfg: DictConfig) -> None:
 
     from rl.cluster import Cluster
     from rl.metrics import MetricsLogger
-    from rl.run import StepTimer, maybe_save, prepare_run, resume
+    from rl.run import StepTimer, consuming, maybe_save, prepare_run, resume, step_metrics
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)
@@ -36,14 +36,13 @@ def main(dcfg: DictConfig) -> None:
 
             for step in range(start, cfg.num_steps):
                 timer = StepTimer()
-                with timer("rollout"):
+                with timer("rollout"), timer("wait_rollout"):
                     ref = rollout.generate(step)  # engines -> manager -> store; we get a ref
-                with timer("train"):
+                with timer("train"), consuming(store, ref):  # removed after: consumed once
                     metrics = learners.train(ref)  # each rank gets its partition and trains
-                store.remove(ref.partitions)  # every sample is consumed once
                 with timer("update_weights"):
-                    metrics |= learners.push_weights(version=step + 1)
-                logger.log(step, {**ref.stats, **metrics, **timer.metrics()})
+                    weights = learners.push_weights(version=step + 1)
+                logger.log(step, step_metrics(step, ref, metrics, weights, timer))
                 maybe_save(cfg, runtime, cluster, step + 1)
     finally:
         logger.close()

@@ -128,8 +128,8 @@ def sender(rank: int, world: int, port: int, urls: list[str], path: str, num_par
     dist.destroy_process_group()
 
 
-def run_one(path: str, engines: int, learners: int, num_params: int, bucket_bytes: int,
-            runs: int, warmup: int) -> dict:
+def start_receivers(count: int):
+    """``count`` receiver servers, reused by every configuration of the grid."""
     import multiprocessing as mp
 
     import requests
@@ -137,12 +137,12 @@ def run_one(path: str, engines: int, learners: int, num_params: int, bucket_byte
     from transfer.weights.group import free_port
 
     ctx = mp.get_context("spawn")
-    ports = [free_port() for _ in range(engines)]
-    recv = [ctx.Process(target=serve_receiver, args=(p,), daemon=True) for p in ports]
-    for p in recv:
+    ports = [free_port() for _ in range(count)]
+    procs = [ctx.Process(target=serve_receiver, args=(p,), daemon=True) for p in ports]
+    for p in procs:
         p.start()
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     for u in urls:
         while True:
             try:
@@ -152,6 +152,17 @@ def run_one(path: str, engines: int, learners: int, num_params: int, bucket_byte
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+    return procs, urls
+
+
+def run_one(path: str, urls: list[str], learners: int, num_params: int, bucket_bytes: int,
+            runs: int, warmup: int) -> dict:
+    import multiprocessing as mp
+
+    from transfer.weights.group import free_port
+
+    ctx = mp.get_context("spawn")
+    engines = len(urls)
     q = ctx.Queue()
     port = free_port()
     senders = [ctx.Process(target=sender, args=(r, learners, port, urls, path, num_params,
@@ -162,9 +173,6 @@ def run_one(path: str, engines: int, learners: int, num_params: int, bucket_byte
     result = q.get(timeout=3600)
     for p in senders:
         p.join(60)
-    for p in recv:
-        p.terminate()
-        p.join(10)
     model_bytes = sum(t.numel() * 2 for _, t in model_tensors(num_params))
     return {"path": path, "engines": engines, "learners": learners, "params": num_params,
             "model_bytes": model_bytes, **result,
@@ -183,16 +191,20 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "weight_sync.json"))
     args = p.parse_args()
     rows = []
+    procs, urls = start_receivers(max(args.engines))
     print("| params | E | R | path | s/sync | busiest sender (models) | GB/s delivered |")
     print("|---|---|---|---|---|---|---|")
     for n in args.params:
         for e in args.engines:
             for r in args.learners:
                 for path in ("broadcast", "p2p"):
-                    row = run_one(path, e, r, int(n), args.bucket_bytes, args.runs, args.warmup)
+                    row = run_one(path, urls[:e], r, int(n), args.bucket_bytes, args.runs,
+                                  args.warmup)
                     rows.append(row)
                     print(f"| {n:.3g} | {e} | {r} | {path} | {row['seconds']:.3f} | "
                           f"{row['busiest_sender_models']:.0f} | {row['gbps']:.2f} |", flush=True)
+    for p in procs:
+        p.terminate()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", *sys.argv]), "machine": platform.platform(),

@@ -146,7 +146,27 @@ class RolloutHandle:
         return self._ray.get(self.actor.generate.remote(step))
 
     def generate_async(self, step: int):
+        """Start generating batch ``step``; returns a handle for ``wait``/``wait_idle``."""
         return self.actor.generate.remote(step)
+
+    def wait(self, handle):
+        """The ``RolloutRef`` behind a handle from ``generate_async``."""
+        return self._ray.get(handle)
+
+    def wait_idle(self, handle) -> None:
+        """Block until that generation has finished (without fetching its ref)."""
+        if handle is not None:
+            self._ray.wait([handle], num_returns=1)
+
+    def discard(self, handle, store) -> None:
+        """Wait for an unconsumed generation and remove its data (a run ending early);
+        failures are reported, not raised: this runs while another error unwinds."""
+        if handle is None:
+            return
+        try:
+            store.remove(self._ray.get(handle, timeout=300).partitions)
+        except Exception as e:
+            print(f"[run] could not discard an unconsumed rollout batch: {e}", flush=True)
 
     def remove(self, refs) -> None:
         self._ray.get(self.actor.remove.remote(refs))

@@ -480,11 +480,16 @@ class AlgoConfig:
     """Samples per forward/backward pass on one learner rank."""
     advantage_std_norm: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling against the engines' log-probs: each token's loss is
+    weighted by min(exp(logp_learner - logp_engine), tis_cap); 0 = off."""
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "micro_batch_size", "grad_clip")
         if self.clip_eps <= 0 or (self.clip_eps_high is not None and self.clip_eps_high <= 0):
             raise ValueError("algo.clip_eps and algo.clip_eps_high must be > 0")
+        if self.tis_cap < 0:
+            raise ValueError(f"algo.tis_cap={self.tis_cap} must be >= 0 (0 = off)")
         if self.kl_coef < 0:
             raise ValueError(f"algo.kl_coef={self.kl_coef} must be >= 0")
         if self.lr_schedule not in ("constant", "cosine"):

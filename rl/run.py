@@ -77,17 +77,51 @@ def resume(cfg: Config, cluster) -> int:
     return int(state["step"])
 
 
-def maybe_save(cfg: Config, runtime: Runtime, cluster, step: int) -> None:
-    """Save after ``step`` steps when due (and at the end); prune old checkpoints."""
+@contextmanager
+def consuming(store, ref):
+    """The step's data is removed when the block ends, also when it fails (a failure to
+    remove is then reported, never raised over the original error)."""
+    try:
+        yield ref
+    except BaseException:
+        try:
+            store.remove(ref.partitions)
+        except Exception as e:
+            print(f"[run] could not remove the data of step {ref.step}: {e}", flush=True)
+        raise
+    store.remove(ref.partitions)
+
+
+def checkpoint_due(cfg: Config, step: int) -> bool:
+    every = cfg.checkpoint.every
+    return bool(every) and (step % every == 0 or step == cfg.num_steps)
+
+
+def maybe_save(cfg: Config, runtime: Runtime, cluster, step: int,
+               rollout_state: dict | None = None) -> None:
+    """Save after ``step`` steps when due (and at the end); prune old checkpoints.
+    ``rollout_state``: the manager's data position to record, when a later batch is already
+    being generated (async)."""
     from rl.learner.checkpoint import prune, step_dir, write_trainer_state
 
-    every = cfg.checkpoint.every
-    if not every or (step % every and step != cfg.num_steps):
+    if not checkpoint_due(cfg, step):
         return
     root = checkpoint_root(cfg, runtime)
     path = step_dir(root, step)
     cluster.learners.save(path)
     write_trainer_state(path, {"step": step, "run_id": runtime.run_id,
-                               "rollout": cluster.rollout.state_dict()})
+                               "rollout": rollout_state or cluster.rollout.state_dict()})
     prune(root, cfg.checkpoint.keep_last)
     print(f"[run] checkpoint {path}", flush=True)
+
+
+def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, float],
+                 timer: StepTimer) -> dict[str, float]:
+    """One step's metrics: rollout, train, weights, timings, and how stale the samples were."""
+    m = {**ref.stats, **train, **weights, **timer.metrics()}
+    # async: the generation ran beside training; its own duration is the rollout time
+    m.setdefault("perf/rollout_time", ref.stats["rollout/generate_time"])
+    m["perf/wait_time_ratio"] = m.get("perf/wait_rollout_time", 0.0) / max(m["perf/step_time"], 1e-9)
+    m["async/staleness_mean"] = step - ref.stats["rollout/weight_version_mean"]
+    m["async/staleness_max"] = step - ref.stats["rollout/weight_version_min"]
+    return m

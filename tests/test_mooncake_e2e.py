@@ -41,9 +41,8 @@ def test_train_py_with_an_external_master_leaves_no_key(tmp_path):
         master.stop()
 
 
-@pytest.mark.parametrize("codec", ["packed", "bundle"])
-def test_train_py_with_a_local_master(tmp_path, codec):
-    proc = train("transfer=mooncake_tcp", f"transfer.codec={codec}", "num_steps=2", *SMALL,
+def test_train_py_with_a_local_master(tmp_path):
+    proc = train("transfer=mooncake_tcp", "num_steps=2", *SMALL,
                  f"output_dir={tmp_path}")
     m = re.search(r"started a local master \(pid (\d+)\) at ([\d.]+):(\d+)", proc.stdout)
     assert m, proc.stdout

@@ -105,6 +105,7 @@ class Learner:
 
     # -- training ----------------------------------------------------------------------
     def train(self, ref: RolloutRef) -> dict[str, float]:
+        started = time.time()
         t0 = time.perf_counter()
         part = ref.partitions[self.rank]
         columns = self.store.get(part)
@@ -120,6 +121,7 @@ class Learner:
         decode = getattr(self.store, "last_decode_ms", 0.0)
         metrics["transfer/decode_ms"] = float(decode)
         metrics["train/step_time"] = time.perf_counter() - t0
+        metrics["train/started_at"], metrics["train/finished_at"] = started, time.time()
         return metrics
 
     def train_batch(self, batch: RolloutBatch) -> dict[str, float]:
@@ -142,6 +144,7 @@ class Learner:
             "train/clipfrac": totals["clipped"] / tok,
             "train/kl": kl / tok,
             "train/logp_diff": totals["logp_diff"] / tok,
+            "train/tis_mean": totals["tis_mean"] / tok,
             "train/grad_norm": grad_norm,
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/tokens_per_s": tok / max(time.perf_counter() - t0, 1e-9),
@@ -157,14 +160,21 @@ class Learner:
         dist.all_reduce(global_tokens)
         scale = self.world_size / max(float(global_tokens), 1.0)  # FSDP averages over ranks
         clip_high = a.clip_eps_high if a.clip_eps_high is not None else a.clip_eps
-        sums = dict.fromkeys(("loss", "clipped", "approx_kl", "ref_kl", "logp_diff"), 0.0)
+        sums = dict.fromkeys(("loss", "clipped", "approx_kl", "ref_kl", "logp_diff", "tis_mean"), 0.0)
         for start in range(0, n, mbs):
             mb = self._pack(batch.select(range(start, min(start + mbs, n))))
             logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
             logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T)
             mask_bt = mb["mask"]
             # One update per batch: the behaviour policy is the current one (ratio = 1).
-            loss, stats = policy_loss(logp_bt, logp_bt.detach(), mb["adv"], mask_bt,
+            # Samples from older weights (async) can be reweighted by the truncated
+            # importance ratio current/engine, computed from the engines' log-probs.
+            weight_bt = mask_bt
+            if a.tis_cap > 0:
+                tis_bt = torch.exp(logp_bt.detach() - mb["rollout_logp"]).clamp(max=a.tis_cap)
+                weight_bt = mask_bt * tis_bt
+                sums["tis_mean"] += float((tis_bt * mask_bt).sum())
+            loss, stats = policy_loss(logp_bt, logp_bt.detach(), mb["adv"], weight_bt,
                                       a.clip_eps, clip_high)
             if self.ref_model is not None:
                 with torch.no_grad():

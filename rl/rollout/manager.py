@@ -37,6 +37,7 @@ class RolloutManager:
     # -- the step ----------------------------------------------------------------------
     def generate(self, step: int) -> RolloutRef:
         rc = self.cfg.rollout
+        started = time.time()
         t0 = time.perf_counter()
         prompts = self.task.next_prompts(rc.prompts_per_step)
         sampling = {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
@@ -62,6 +63,9 @@ class RolloutManager:
             "rollout/generate_time": gen_s,
             "rollout/samples_per_s": len(batch) / max(gen_s, 1e-9),
             "rollout/weight_version_min": float(batch.weight_version.min()),
+            "rollout/weight_version_mean": float(batch.weight_version.mean()),
+            "rollout/started_at": started,
+            "rollout/finished_at": time.time(),
             "transfer/put_ms": float(sum(put_ms)),
             "transfer/encode_ms": float(sum(encode_ms)),
             "transfer/bytes": float(sum(r.nbytes for r in refs)),
