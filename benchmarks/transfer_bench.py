@@ -242,7 +242,8 @@ def inner_two_hosts(args) -> None:
 
 def finish(args, rows: list[dict], title: str) -> None:
     print_table(rows, title)
-    out = {"title": title, "command": os.environ.get("BENCH_COMMAND", " ".join(sys.argv)), "machine": platform.platform(),
+    out = {"title": title, "command": os.environ.get("BENCH_COMMAND", " ".join(sys.argv)),
+           "machine": platform.platform(),
            "cpus": os.cpu_count(), "runs": args.runs, "warmup": args.warmup, "rows": rows,
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -336,7 +337,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
-    p.add_argument("--chunk-bytes", type=int, default=4 << 20, help="Mooncake chunk size (transfer.chunk_bytes)")
+    p.add_argument("--chunk-bytes", type=int, default=4 << 20,
+                   help="Mooncake chunk size (transfer.chunk_bytes)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ray-address", help=argparse.SUPPRESS)
     p.add_argument("--host-a", help=argparse.SUPPRESS)

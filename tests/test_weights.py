@@ -127,7 +127,8 @@ def test_engine_dying_during_a_sync_fails_fast_naming_it(ray_module, tmp_path):
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["weights=p2p", "weights.bucket_bytes=1kb"], "weights.bucket_bytes=1024 is smaller than the model's largest tensor"),
+    (["weights=p2p", "weights.bucket_bytes=1kb"],
+     "weights.bucket_bytes=1024 is smaller than the model's largest tensor"),
     (["weights=p2p", "cluster.num_engines=0"], "cluster.num_engines=0 must be > 0"),
     (["weights=nope"], "weights/nope"),
 ])

@@ -71,7 +71,8 @@ class Learner:
             self.ref_model = sharded(load_model(self.runtime.model_path, cfg.model.dtype, self.device))
             self.ref_model.requires_grad_(False)
         a = cfg.algo
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=(a.adam_beta1, a.adam_beta2),
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr,
+                                           betas=(a.adam_beta1, a.adam_beta2),
                                            weight_decay=a.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.pad_id = load_tokenizer(self.runtime.model_path).pad_token_id or 0

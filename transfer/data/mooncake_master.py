@@ -13,18 +13,16 @@ Used two ways:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 
+from transfer.process import die_with_parent, log_tail, stop
 from transfer.weights.group import free_port
 
 
@@ -43,13 +41,6 @@ def master_binary() -> str:
         raise RuntimeError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
                            "(CPU machines) or mooncake-transfer-engine-cuda13 (GPU images)")
     return path
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class MooncakeMaster:
@@ -90,7 +81,7 @@ class MooncakeMaster:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=_die_with_parent if self.die_with_parent else None)
+                                         preexec_fn=die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -117,21 +108,10 @@ class MooncakeMaster:
         return list_keys(self.admin_url)
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(deque(f, maxlen=lines))
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc, grace_s)
 
 
 def list_keys(admin_url: str) -> list[str]:

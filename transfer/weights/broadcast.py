@@ -68,12 +68,12 @@ class BroadcastSync:
         sent = 0
         gathered = ((name, full_tensor(p)) for name, p in named_params)  # collective
         for bucket, last in with_last(iter_buckets(gathered, self.bucket_bytes)):
-            if self.rank == 0:
+            if self.receivers:  # ranks without engines only take part in the gather
                 sent += self._send_bucket(bucket, version, flush_cache=last)
-        if self.rank == 0:
+        if self.receivers:
             self._check_versions(version)
-        # One sender feeds every engine: with gloo/nccl broadcast it moves about one copy per
-        # engine rank; `weights/bytes` is the model size each engine receives.
+        # A sender delivers one copy per receiving engine rank (gloo/nccl broadcast moves
+        # about that much); `weights/bytes` is the model size each engine receives.
         return {"weights/bytes": float(sent),
                 "weights/sender_bytes": float(sent * sum(r.num_ranks for r in self.receivers)),
                 "weights/push_s": time.perf_counter() - t0}

@@ -10,12 +10,11 @@ destination, and the busiest sender carries ceil(E/R) copies of the model instea
 
 from __future__ import annotations
 
-import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
-from transfer.weights.base import WeightReceiver, full_tensor, iter_buckets, with_last
+from transfer.weights.base import WeightReceiver
 from transfer.weights.broadcast import BroadcastSync
 
 
@@ -57,17 +56,3 @@ class P2PSync(BroadcastSync):
         if not mine:
             return  # more learner ranks than engines: this rank only helps gather
         self._open_group(mine)
-
-    def push(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        sent = 0
-        gathered = ((name, full_tensor(p)) for name, p in named_params)  # collective
-        for bucket, last in with_last(iter_buckets(gathered, self.bucket_bytes)):
-            if self.receivers:
-                sent += self._send_bucket(bucket, version, flush_cache=last)
-        if self.receivers:
-            self._check_versions(version)
-        return {"weights/bytes": float(sent), "weights/sender_bytes": float(sent * len(self.receivers)),
-                "weights/push_s": time.perf_counter() - t0}
-
-

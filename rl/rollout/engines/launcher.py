@@ -6,32 +6,15 @@ with its parent (PR_SET_PDEATHSIG), so a killed actor leaves no server behind.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import time
-from collections import deque
 
 from rl.config import RolloutConfig
 from rl.rollout.client import EngineClient
 from rl.runtime import node_ip
+from transfer.process import die_with_parent, log_tail, stop
 from transfer.weights.group import free_port
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: stop() still ends the child
-
-
-def log_tail(path: str, lines: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except OSError:
-        return "(no log)"
 
 
 class EngineProcess:
@@ -59,7 +42,7 @@ class EngineProcess:
             log.flush()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **self.env},
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         self.url = f"http://{self.host}:{port}"
         client = EngineClient(self.url, f"engine-{self.index}")
         deadline = time.monotonic() + self.rollout.engine_start_timeout_s
@@ -84,11 +67,4 @@ class EngineProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc, grace_s)
