@@ -52,8 +52,11 @@ class Cluster:
             self.runtime, num_nodes, estimate_step_bytes(cfg))
         self.runtime = dataclasses.replace(self.runtime, num_nodes=num_nodes, transfer=services)
         c = cfg.cluster
-        engine_pg = placement_group([_bundle(c.gpus_per_engine)] * c.num_engines, strategy="PACK")
-        learner_pg = placement_group([_bundle(c.gpus_per_learner)] * c.num_learners, strategy="PACK")
+        print(f"[cluster] placement: {describe_placement(cfg)}", flush=True)
+        engine_pg = placement_group([_bundle(c.gpus_per_engine, c.engine_resource)] * c.num_engines,
+                                    strategy="PACK")
+        learner_pg = placement_group([_bundle(c.gpus_per_learner, c.learner_resource)] * c.num_learners,
+                                     strategy="PACK")
         self._pgs = [engine_pg, learner_pg]
         _wait_ready(self._pgs, timeout_s=60)
         self.store = cfg.transfer.build(self.runtime, role="driver")
@@ -79,7 +82,7 @@ class Cluster:
                 num_cpus=0, num_gpus=c.gpus_per_engine or None,
                 scheduling_strategy=_in_bundle(pg, i)).remote(
                     i, rc, self.runtime.model_path, self.cfg.seed, self.runtime.log_dir,
-                    None, env))
+                    None, env, c.gpus_per_engine))
         print(f"[cluster] starting {c.num_engines} {rc.name} engine(s); logs in {self.runtime.log_dir}",
               flush=True)
         self.engine_urls = ray.get([e.start.remote() for e in self.engines],
@@ -232,9 +235,27 @@ def estimate_step_bytes(cfg: Config) -> int:
                                         cfg.rollout.max_new_tokens)
 
 
-def _bundle(gpus: int) -> dict[str, float]:
-    # CPU roles reserve a sliver of a CPU so that many fit on a small machine.
-    return {"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 0.01}
+def describe_placement(cfg: Config) -> str:
+    """The placement this config asks Ray for (printed at start)."""
+    c = cfg.cluster
+
+    def pool(n: int, what: str, gpus: int, resource: str | None) -> str:
+        where = f"on nodes with resource '{resource}'" if resource else "anywhere"
+        size = f"{n * gpus} GPUs" if gpus else "CPU only"
+        return f"{n} {what} x {gpus} GPU {where} ({size})"
+
+    rollout = pool(c.num_engines, f"{cfg.rollout.name} engines", c.gpus_per_engine, c.engine_resource)
+    training = pool(c.num_learners, "learner ranks", c.gpus_per_learner, c.learner_resource)
+    return f"rollout: {rollout}; training: {training}"
+
+
+def _bundle(gpus: int, resource: str | None = None) -> dict[str, float]:
+    # CPU roles reserve a sliver of a CPU so that many fit on a small machine; a custom
+    # node resource (a sliver of it) pins the bundle to the nodes that advertise it.
+    bundle = {"CPU": 1.0, "GPU": float(gpus)} if gpus else {"CPU": 0.01}
+    if resource:
+        bundle[resource] = 0.001
+    return bundle
 
 
 def _in_bundle(pg, index: int):

@@ -149,7 +149,8 @@ class RolloutConfig:
         return self.prompts_per_step * self.n_samples_per_prompt
 
     def server_command(self, model_path: str, host: str, port: int, index: int,
-                       seed: int) -> list[str]:
+                       seed: int, gpus: int) -> list[str]:
+        """The command that starts engine ``index`` (an HTTP server on ``host:port``)."""
         raise NotImplementedError
 
 
@@ -168,13 +169,38 @@ class HFRolloutConfig(RolloutConfig):
         _positive(self, "max_batch_size")
 
     def server_command(self, model_path: str, host: str, port: int, index: int,
-                       seed: int) -> list[str]:
+                       seed: int, gpus: int) -> list[str]:
         import sys
 
         return [sys.executable, "-m", "rl.rollout.engines.hf_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--seed", str(seed + 1000 * index),
                 "--max-batch-size", str(self.max_batch_size),
                 "--batch-wait-ms", str(self.batch_wait_ms), "--device", self.device]
+
+
+@dataclass(kw_only=True)
+class SGLangRolloutConfig(RolloutConfig):
+    name: str = "sglang"
+    engine_start_timeout_s: float = 900.0
+    mem_fraction_static: float = 0.8
+    """Fraction of GPU memory SGLang takes for weights and KV cache."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further ``sglang.launch_server`` arguments, passed through as given."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"rollout.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+
+    def server_command(self, model_path: str, host: str, port: int, index: int,
+                       seed: int, gpus: int) -> list[str]:
+        import sys
+
+        # SGLang is imported nowhere in this project: it only runs in the engine process.
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                "--host", host, "--port", str(port), "--tp-size", str(gpus),
+                "--mem-fraction-static", str(self.mem_fraction_static),
+                "--random-seed", str(seed + 1000 * index), *self.extra_args]
 
 
 # ---------------------------------------------------------------------------------------
@@ -594,6 +620,10 @@ class ClusterConfig:
     """CPUs a local Ray may use; unset = all."""
     torch_threads: int = 1
     """Intra-op threads per CPU worker process (keeps small machines from oversubscribing)."""
+    engine_resource: Optional[str] = None
+    """Custom Ray node resource that pins engines to nodes (``ray start --resources``)."""
+    learner_resource: Optional[str] = None
+    """Custom Ray node resource that pins learner ranks to nodes."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_engines", "num_learners", "torch_threads")
@@ -669,11 +699,14 @@ class Config:
         if self.rollout.name == "hf" and self.cluster.gpus_per_engine:
             raise ValueError("rollout=hf runs one process per engine; set cluster.gpus_per_engine=0 "
                              "or use rollout=sglang")
+        if self.rollout.name == "sglang" and self.cluster.gpus_per_engine < 1:
+            raise ValueError("rollout=sglang needs GPUs: set cluster.gpus_per_engine (its tensor-"
+                             "parallel size) to 1 or more")
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"base": ModelConfig},
-    "rollout": {"hf": HFRolloutConfig},
+    "rollout": {"hf": HFRolloutConfig, "sglang": SGLangRolloutConfig},
     "transfer": {"ray": RayTransferConfig, "mooncake": MooncakeTransferConfig},
     "weights": {"broadcast": BroadcastWeightsConfig, "p2p": P2PWeightsConfig},
     "algo": {"grpo": AlgoConfig},

@@ -19,6 +19,10 @@ def _required(group: str, option: str, tmp_path, tiny_path) -> list[str]:
     """Overrides a choice needs to compose (a checkpoint path, a data file)."""
     if (group, option) == ("model", "hf"):
         return [f"model.path={tiny_path}"]
+    if (group, option) == ("cluster", "two_node_8x8"):
+        return ["rollout=sglang"]
+    if (group, option) == ("rollout", "sglang"):
+        return ["cluster.gpus_per_engine=1"]
     if (group, option) == ("task", "jsonl"):
         data = tmp_path / "train.jsonl"
         data.write_text(json.dumps({"prompt": "a:", "label": "aaaa"}) + "\n")

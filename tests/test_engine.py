@@ -147,7 +147,7 @@ def test_update_with_unknown_name_fails_and_names_it(server, tiny_path):
 class _CommandRollout(HFRolloutConfig):
     command: str = ""
 
-    def server_command(self, model_path, host, port, index, seed):
+    def server_command(self, model_path, host, port, index, seed, gpus):
         return [sys.executable, "-c", self.command]
 
 

@@ -19,8 +19,10 @@ from transfer.weights.group import free_port
 
 class EngineProcess:
     def __init__(self, index: int, rollout: RolloutConfig, model_path: str, seed: int,
-                 log_dir: str, host: str | None, env: dict[str, str] | None = None) -> None:
+                 log_dir: str, host: str | None, env: dict[str, str] | None = None,
+                 gpus: int = 0) -> None:
         self.index = index
+        self.gpus = gpus
         self.rollout = rollout
         self.model_path = model_path
         self.seed = seed
@@ -36,7 +38,8 @@ class EngineProcess:
         if not self.host:
             self.host = node_ip()  # resolved here, on the engine's own node
         port = free_port(self.host)
-        cmd = self.rollout.server_command(self.model_path, self.host, port, self.index, self.seed)
+        cmd = self.rollout.server_command(self.model_path, self.host, port, self.index, self.seed,
+                                          self.gpus)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
