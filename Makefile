@@ -27,7 +27,7 @@ train: $(STAMP)
 		$(BIN)/python train.py $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)

@@ -22,7 +22,7 @@ def train_async(*overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("transfer,weights", [("ray", "p2p"), ("mooncake_tcp", "broadcast")])
+@pytest.mark.parametrize("transfer,weights", [("mooncake_tcp", "p2p")])
 def test_one_step_off_policy_overlaps_and_accounts_for_every_sample(tmp_path, transfer, weights):
     extra = []
     master = None
@@ -31,7 +31,7 @@ def test_one_step_off_policy_overlaps_and_accounts_for_every_sample(tmp_path, tr
         extra = [f"transfer.master_server_address={master.address}",
                  f"transfer.metadata_server={master.metadata_server}"]
     try:
-        steps = 4
+        steps = 3
         proc = train_async(f"transfer={transfer}", f"weights={weights}", f"num_steps={steps}",
                            "rollout.prompts_per_step=8", "logger=console", "checkpoint.every=0",
                            f"output_dir={tmp_path}", *extra)
