@@ -80,7 +80,7 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    proc = subprocess.Popen([sys.executable, "train.py", "num_steps=10000", "logger=console",
+    proc = subprocess.Popen([sys.executable, "train.py", "num_steps=10000", "logger=console", "weights=p2p",
                              "rollout.prompts_per_step=8", f"output_dir={tmp_path}"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

@@ -24,10 +24,12 @@ SMALL = ["rollout.prompts_per_step=8", "logger=console"]
 def test_train_py_with_an_external_master_leaves_no_key(tmp_path):
     master = MooncakeMaster("127.0.0.1", log_path=str(tmp_path / "master.log")).start()
     try:
-        proc = train("transfer=mooncake_tcp", "num_steps=3", *SMALL, f"output_dir={tmp_path}",
+        proc = train("transfer=mooncake_tcp", "weights=p2p", "num_steps=3", *SMALL,
+                     f"output_dir={tmp_path}",
                      f"transfer.master_server_address={master.address}",
                      f"transfer.metadata_server={master.metadata_server}")
         assert "started a local master" not in proc.stdout
+        assert "[weights] p2p plan: learner 0 -> engine-0" in proc.stdout
         rows = read_metrics(tmp_path)
         assert [r["step"] for r in rows] == [0, 1, 2]
         for r in rows:
