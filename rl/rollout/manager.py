@@ -50,7 +50,7 @@ class RolloutManager:
         answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
                                               sampling, rc.request_timeout_s, label=f"step {step}"))
         gen_s = time.perf_counter() - t0
-        batch = self._build_batch(prompts, answers)
+        batch = self._build_batch(prompts, prompt_ids, answers)
         parts = split_balanced(batch.prompt_len + batch.response_len, self.cfg.cluster.num_learners)
         refs = self._put_partitions(batch, parts, step)
         put_ms = [r.timings_ms.get("put_ms", 0.0) for r in refs]
@@ -79,11 +79,11 @@ class RolloutManager:
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _build_batch(self, prompts: list[Prompt], answers: list[list[dict]]) -> RolloutBatch:
+    def _build_batch(self, prompts: list[Prompt], prompt_ids: list[list[int]],
+                     answers: list[list[dict]]) -> RolloutBatch:
         tokens, masks, logps, plen, rlen, rewards = [], [], [], [], [], []
         groups, reasons, labels, versions = [], [], [], []
-        for prompt, group in zip(prompts, answers):
-            prompt_ids = self._encode(prompt.text)  # same ids the engines were sent
+        for prompt, ids, group in zip(prompts, prompt_ids, answers):
             for ans in group:
                 meta = ans["meta_info"]
                 out_ids = [int(t) for t in ans["output_ids"]]
@@ -91,10 +91,10 @@ class RolloutManager:
                 if len(lp) != len(out_ids):
                     raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(out_ids)} tokens")
                 finished = meta["finish_reason"]["type"] == "stop"
-                tokens.append(np.asarray(prompt_ids + out_ids, dtype=np.int32))
+                tokens.append(np.asarray(ids + out_ids, dtype=np.int32))  # exactly as sampled
                 masks.append(np.ones(len(out_ids), dtype=np.int8))
                 logps.append(np.asarray(lp, dtype=np.float32))
-                plen.append(len(prompt_ids))
+                plen.append(len(ids))
                 rlen.append(len(out_ids))
                 rewards.append(self.task.reward(ans["text"], prompt.label, finished))
                 groups.append(prompt.index)
