@@ -1,12 +1,20 @@
-"""One-step off-policy GRPO: the engines generate batch N+1 while the learners train on N.
+"""Asynchronous GRPO: the engines generate while the learners train.
 
-    python train_async.py                                   # same overrides as train.py
-    python train_async.py transfer=mooncake_tcp weights=p2p algo.tis_cap=2.0
+    python train_async.py                                   # one-step off-policy
+    python train_async.py rollout.fully_async=true          # continuous generation, bounded queue
+    python train_async.py transfer=mooncake_tcp weights=p2p algo.tis_cap=2.0   # same overrides as train.py
 
-Batch N+1 is sampled by the weights of step N-1's update (one version behind the learner
-that trains on it); ``algo.tis_cap`` reweights its tokens by the truncated importance
-ratio against the engines' log-probs. Weights are pushed only once the overlapping
-generation has finished, so an engine never serves half-updated weights.
+One-step off-policy: batch N+1 is generated while the learners train on batch N, so it is
+sampled by weights one version behind the learner; weights are pushed once that generation
+has finished, so an engine never serves half-updated weights.
+
+Fully async: the engines generate batch after batch into a queue of store refs bounded by
+``rollout.max_inflight_batches``; a weight sync pauses them (requests in flight wait) and
+continues them. Samples more than ``algo.max_staleness`` versions old are dropped and
+counted; ``samples.jsonl`` records what became of every generated sample.
+
+Either way ``algo.tis_cap`` reweights stale tokens by the truncated importance ratio
+against the engines' log-probs.
 """
 
 from __future__ import annotations
@@ -19,44 +27,76 @@ from rl.config import load, register_configs
 register_configs()
 
 
+def one_step_off_policy(cfg, cluster, logger, runtime) -> None:
+    from rl.run import StepTimer, checkpoint_due, consuming, maybe_save, resume, step_metrics
+
+    rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
+    start = resume(cfg, cluster)
+    learners.push_weights(version=start)
+    pending = rollout.generate_async(start)
+    try:
+        for step in range(start, cfg.num_steps):
+            timer = StepTimer()
+            with timer("wait_rollout"):
+                ref = rollout.wait(pending)  # the learners idle only here
+            # a checkpoint after this step resumes at batch step + 1: record the data
+            # position before that batch is drawn
+            position = rollout.state_dict() if checkpoint_due(cfg, step + 1) else None
+            # the next batch starts now, on the engines, while the learners train
+            pending = rollout.generate_async(step + 1) if step + 1 < cfg.num_steps else None
+            with timer("train"), consuming(store, ref):
+                metrics = learners.train(ref)
+            with timer("wait_rollout"):
+                rollout.wait_idle(pending)  # never swap weights under a running generation
+            with timer("update_weights"):
+                weights = learners.push_weights(version=step + 1)
+            logger.log(step, step_metrics(step, ref, metrics, weights, timer))
+            maybe_save(cfg, runtime, cluster, step + 1, rollout_state=position)
+    finally:
+        rollout.discard(pending, store)  # no key outlives the run
+
+
+def fully_async(cfg, cluster, logger, runtime) -> None:
+    from rl.run import (StepTimer, checkpoint_due, consuming, maybe_save, resume, step_metrics,
+                        write_sample_ledger)
+
+    rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
+    start = resume(cfg, cluster)
+    learners.push_weights(version=start)
+    rollout.start_stream(first_step=start)
+    try:
+        for step in range(start, cfg.num_steps):
+            timer = StepTimer()
+            with timer("wait_rollout"):
+                ref = rollout.next_batch(step)  # samples older than max_staleness: dropped
+            with timer("train"), consuming(store, ref):
+                metrics = learners.train(ref)
+            with timer("update_weights"), rollout.paused():  # no forward pass mid-update
+                weights = learners.push_weights(version=step + 1)
+            rollout.release(ref, step)  # its queue slot: the next batch starts on new weights
+            logger.log(step, step_metrics(step, ref, metrics, weights, timer))
+            if checkpoint_due(cfg, step + 1):  # queued batches are generated again on resume
+                maybe_save(cfg, runtime, cluster, step + 1, rollout_state=rollout.resume_position())
+    finally:
+        write_sample_ledger(runtime, rollout.stop_stream())  # queued batches removed
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> None:
     cfg = load(dcfg)  # typed and validated: bad input fails here, before any worker starts
+    cfg.check_async()
 
     from rl.cluster import Cluster
     from rl.metrics import MetricsLogger
-    from rl.run import (StepTimer, checkpoint_due, consuming, maybe_save, prepare_run, resume,
-                        step_metrics)
+    from rl.run import prepare_run
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)
+    held = cfg.rollout.max_inflight_batches if cfg.rollout.fully_async else 2
     try:
-        with Cluster(cfg, runtime) as cluster:
-            rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
-            start = resume(cfg, cluster)
-            learners.push_weights(version=start)
-            pending = rollout.generate_async(start)
-
-            try:
-                for step in range(start, cfg.num_steps):
-                    timer = StepTimer()
-                    with timer("wait_rollout"):
-                        ref = rollout.wait(pending)  # the learners idle only here
-                    # a checkpoint after this step resumes at batch step + 1: record the data
-                    # position before that batch is drawn
-                    position = rollout.state_dict() if checkpoint_due(cfg, step + 1) else None
-                    # the next batch starts now, on the engines, while the learners train
-                    pending = rollout.generate_async(step + 1) if step + 1 < cfg.num_steps else None
-                    with timer("train"), consuming(store, ref):
-                        metrics = learners.train(ref)
-                    with timer("wait_rollout"):
-                        rollout.wait_idle(pending)  # never swap weights under a running generation
-                    with timer("update_weights"):
-                        weights = learners.push_weights(version=step + 1)
-                    logger.log(step, step_metrics(step, ref, metrics, weights, timer))
-                    maybe_save(cfg, runtime, cluster, step + 1, rollout_state=position)
-            finally:
-                rollout.discard(pending, store)  # no key outlives the run
+        with Cluster(cfg, runtime, batches_held=held) as cluster:
+            loop = fully_async if cfg.rollout.fully_async else one_step_off_policy
+            loop(cfg, cluster, logger, runtime)
     finally:
         logger.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from contextlib import contextmanager
 from typing import Any
 
 from rl.config import Config
@@ -21,9 +22,13 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Cluster:
-    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+    """``batches_held``: rollout batches the store holds at once (1 for train.py; generation
+    running ahead holds more), for the store's capacity check."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, batches_held: int = 1) -> None:
         self.cfg = cfg
         self.runtime = runtime
+        self.batches_held = batches_held
         self.engines: list[Any] = []
         self.engine_urls: list[str] = []
         self.rollout: RolloutHandle | None = None
@@ -49,15 +54,20 @@ class Cluster:
             self._started_ray = True
         num_nodes = len([n for n in ray.nodes() if n["Alive"]])
         services, self._stop_services = cfg.transfer.start_services(
-            self.runtime, num_nodes, estimate_step_bytes(cfg))
+            self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
         self.runtime = dataclasses.replace(self.runtime, num_nodes=num_nodes, transfer=services)
         c = cfg.cluster
         print(f"[cluster] placement: {describe_placement(cfg)}", flush=True)
-        engine_pg = placement_group([_bundle(c.gpus_per_engine, c.engine_resource)] * c.num_engines,
-                                    strategy="PACK")
-        learner_pg = placement_group([_bundle(c.gpus_per_learner, c.learner_resource)] * c.num_learners,
-                                     strategy="PACK")
-        self._pgs = [engine_pg, learner_pg]
+        if c.colocate:  # one pool: engine i and learner rank i share bundle i (CPU only)
+            engine_pg = learner_pg = placement_group(
+                [_bundle(0, c.engine_resource)] * max(c.num_engines, c.num_learners), strategy="PACK")
+            self._pgs = [engine_pg]
+        else:
+            engine_pg = placement_group([_bundle(c.gpus_per_engine, c.engine_resource)] * c.num_engines,
+                                        strategy="PACK")
+            learner_pg = placement_group([_bundle(c.gpus_per_learner, c.learner_resource)] * c.num_learners,
+                                         strategy="PACK")
+            self._pgs = [engine_pg, learner_pg]
         _wait_ready(self._pgs, timeout_s=60)
         self.store = cfg.transfer.build(self.runtime, role="driver")
         self._start_engines(engine_pg, env)
@@ -142,8 +152,11 @@ class RolloutHandle:
 
         from rl.rollout.manager import RolloutManager
 
-        self.actor = ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, runtime, engine_urls)
+        # threaded: a pause, a stop or Ctrl-C's cleanup is served while next_batch waits
+        self.actor = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(
+            cfg, runtime, engine_urls)
         self._ray = ray
+        self.timeout_s = cfg.rollout.request_timeout_s + 60
 
     def generate(self, step: int):
         return self._ray.get(self.actor.generate.remote(step))
@@ -173,6 +186,34 @@ class RolloutHandle:
 
     def remove(self, refs) -> None:
         self._ray.get(self.actor.remove.remote(refs))
+
+    @contextmanager
+    def paused(self):
+        """Engines run no forward pass inside the block (requests in flight wait)."""
+        self._ray.get(self.actor.pause.remote())
+        try:
+            yield
+        finally:
+            self._ray.get(self.actor.resume.remote())
+
+    # fully async: a stream of batches (see rl.rollout.manager.Stream)
+    def start_stream(self, first_step: int) -> None:
+        self._ray.get(self.actor.start_stream.remote(first_step))
+
+    def next_batch(self, step: int):
+        """The next queued batch, stale samples marked for dropping (waits for one)."""
+        return self._ray.get(self.actor.next_batch.remote(step))
+
+    def release(self, ref, step: int) -> None:
+        self._ray.get(self.actor.release.remote(ref, step))
+
+    def resume_position(self) -> dict:
+        """Data position for a checkpoint taken now (before the oldest batch not yet taken)."""
+        return self._ray.get(self.actor.resume_position.remote())
+
+    def stop_stream(self) -> list[dict]:
+        """Stop generating and remove what nobody took; returns the per-batch sample ledger."""
+        return self._ray.get(self.actor.stop_stream.remote(), timeout=self.timeout_s)
 
     def state_dict(self) -> dict:
         return self._ray.get(self.actor.state_dict.remote())
@@ -246,7 +287,8 @@ def describe_placement(cfg: Config) -> str:
 
     rollout = pool(c.num_engines, f"{cfg.rollout.name} engines", c.gpus_per_engine, c.engine_resource)
     training = pool(c.num_learners, "learner ranks", c.gpus_per_learner, c.learner_resource)
-    return f"rollout: {rollout}; training: {training}"
+    shared = " (colocated: engine i and learner rank i share a bundle)" if c.colocate else ""
+    return f"rollout: {rollout}; training: {training}{shared}"
 
 
 def _bundle(gpus: int, resource: str | None = None) -> dict[str, float]:

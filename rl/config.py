@@ -135,10 +135,25 @@ class RolloutConfig:
     """Bound on one generate request."""
     engine_start_timeout_s: float = 180.0
     """Bound on an engine becoming healthy; its log tail is reported when exceeded."""
+    fully_async: bool = False
+    """``train_async.py`` only: engines generate continuously into a bounded queue instead of
+    one batch ahead (weight syncs pause and continue them)."""
+    max_inflight_batches: int = 2
+    """Fully async: batches generated or being generated and not yet trained on; it bounds
+    the batches held in the store, and a sample's staleness to this minus one."""
+    pause_mode: str = "retract"
+    """How engines pause for a weight sync (SGLang's ``pause_generation`` mode): ``retract``
+    or ``in_place``; requests in flight are kept either way."""
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "max_prompt_tokens",
                   "request_timeout_s", "engine_start_timeout_s")
+        if self.max_inflight_batches < 1:
+            raise ValueError(f"rollout.max_inflight_batches={self.max_inflight_batches}: the queue "
+                             f"needs room for at least 1 batch (2 or more lets generation overlap training)")
+        if self.pause_mode not in ("retract", "in_place"):
+            raise ValueError(f"rollout.pause_mode={self.pause_mode!r}: use 'retract' or 'in_place' "
+                             f"('abort' would end the requests in flight)")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -212,11 +227,12 @@ class TransferConfig:
     name: str = MISSING
     """Backend of the rollout-data path."""
 
-    def start_services(self, runtime: "Runtime", num_nodes: int,
-                       bytes_per_step: int) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
+    def start_services(self, runtime: "Runtime", num_nodes: int, bytes_per_step: int,
+                       batches_held: int = 1) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
         """Driver side, before any worker starts: check the environment, start what the
-        backend needs (a local master). Returns settings for ``runtime.transfer`` and a stop
-        function."""
+        backend needs (a local master). ``batches_held``: rollout batches the store holds at
+        once (1 for train.py, more when generation runs ahead). Returns settings for
+        ``runtime.transfer`` and a stop function."""
         return {}, None
 
     def build(self, runtime: "Runtime", *, role: str,
@@ -288,8 +304,8 @@ class MooncakeTransferConfig(TransferConfig):
             raise ValueError(f"MOONCAKE_PROTOCOL={proto!r}: use tcp or rdma")
         return proto
 
-    def start_services(self, runtime: "Runtime", num_nodes: int,
-                       bytes_per_step: int) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
+    def start_services(self, runtime: "Runtime", num_nodes: int, bytes_per_step: int,
+                       batches_held: int = 1) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
         from transfer.data.mooncake_store import import_mooncake
 
         import_mooncake()  # a missing or wrong wheel is reported here, before workers start
@@ -309,12 +325,13 @@ class MooncakeTransferConfig(TransferConfig):
             raise ValueError(f"transfer.local_hostname={host!r} is a loopback address but the Ray "
                              f"cluster has {num_nodes} nodes: other nodes cannot reach it; unset it "
                              "(the Ray node IP is used) or give this node's routable address")
-        need = bytes_per_step * self.replica_num
+        need = bytes_per_step * batches_held * self.replica_num
         if self.global_segment_size < need:
+            held = "one step's rollout batch" if batches_held == 1 else \
+                f"{batches_held} rollout batches held at once (generation runs ahead)"
             raise ValueError(f"transfer.global_segment_size={self.global_segment_size} bytes is too "
-                             f"small: one step's rollout batch needs about {need} bytes "
-                             f"({self.replica_num} replica(s)); set transfer.global_segment_size="
-                             f"{_human(need * 2)} or more")
+                             f"small: {held} need about {need} bytes ({self.replica_num} "
+                             f"replica(s)); set transfer.global_segment_size={_human(need * 2)} or more")
         master = self.master_server_address or os.environ.get("MOONCAKE_MASTER")
         if master:
             metadata = (self.metadata_server or os.environ.get("MOONCAKE_METADATA_SERVER")
@@ -509,6 +526,9 @@ class AlgoConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling against the engines' log-probs: each token's loss is
     weighted by min(exp(logp_learner - logp_engine), tis_cap); 0 = off."""
+    max_staleness: int = 1
+    """``train_async.py``: a sample generated by weights more than this many versions older
+    than the ones being trained is dropped (and counted in ``async/dropped_samples``)."""
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "micro_batch_size", "grad_clip")
@@ -516,6 +536,9 @@ class AlgoConfig:
             raise ValueError("algo.clip_eps and algo.clip_eps_high must be > 0")
         if self.tis_cap < 0:
             raise ValueError(f"algo.tis_cap={self.tis_cap} must be >= 0 (0 = off)")
+        if self.max_staleness < 0:
+            raise ValueError(f"algo.max_staleness={self.max_staleness} must be >= 0 (versions a "
+                             f"sample's weights may lag the trained ones)")
         if self.kl_coef < 0:
             raise ValueError(f"algo.kl_coef={self.kl_coef} must be >= 0")
         if self.lr_schedule not in ("constant", "cosine"):
@@ -624,11 +647,18 @@ class ClusterConfig:
     """Custom Ray node resource that pins engines to nodes (``ray start --resources``)."""
     learner_resource: Optional[str] = None
     """Custom Ray node resource that pins learner ranks to nodes."""
+    colocate: bool = False
+    """Engines and learner ranks share placement bundles (engine i with rank i) instead of
+    separate pools; ``train.py`` on CPU only (GPU time-sharing is not implemented)."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_engines", "num_learners", "torch_threads")
         if self.gpus_per_engine < 0 or self.gpus_per_learner not in (0, 1):
             raise ValueError("cluster.gpus_per_engine must be >= 0 and cluster.gpus_per_learner 0 or 1")
+        if self.colocate and (self.gpus_per_engine or self.gpus_per_learner):
+            raise ValueError("cluster.colocate=true with GPUs would need the engines to release GPU "
+                             "memory while the learners train, which is not implemented; use "
+                             "separate pools (cluster.colocate=false)")
 
 
 @dataclass(kw_only=True)
@@ -702,6 +732,16 @@ class Config:
         if self.rollout.name == "sglang" and self.cluster.gpus_per_engine < 1:
             raise ValueError("rollout=sglang needs GPUs: set cluster.gpus_per_engine (its tensor-"
                              "parallel size) to 1 or more")
+
+    def check_async(self) -> None:
+        """What ``train_async.py`` needs beyond ``train.py`` (raised before any worker starts)."""
+        if self.cluster.colocate:
+            raise ValueError("train_async.py needs separate rollout and training pools (generation "
+                             "overlaps training); cluster.colocate=true is supported by train.py only")
+        if not self.rollout.fully_async and self.algo.max_staleness < 1:
+            raise ValueError(f"algo.max_staleness={self.algo.max_staleness}: one-step off-policy "
+                             f"trains every batch one version behind, so every sample would be "
+                             f"dropped; use >= 1 or train.py")
 
 
 _SCHEMAS: dict[str, dict[str, type]] = {

@@ -65,4 +65,6 @@ def format_line(step: int, num_steps: int, m: dict[str, float]) -> str:
             f"| grad {g('train/grad_norm', '.2f')} | {g('perf/step_time', '.2f')}s "
             f"(rollout {g('perf/rollout_time', '.2f')}, train {g('perf/train_time', '.2f')}, "
             f"sync {g('perf/update_weights_time', '.2f')}) "
-            f"| put {g('transfer/put_ms', '.1f')}ms get {g('transfer/get_ms', '.1f')}ms")
+            f"| put {g('transfer/put_ms', '.1f')}ms get {g('transfer/get_ms', '.1f')}ms"
+            + (f" | stale<={g('async/staleness_max', '.0f')} dropped {g('async/dropped_samples', '.0f')} "
+               f"queued {g('async/queue_depth', '.0f')}" if "async/queue_depth" in m else ""))

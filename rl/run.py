@@ -122,6 +122,23 @@ def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, flo
     # async: the generation ran beside training; its own duration is the rollout time
     m.setdefault("perf/rollout_time", ref.stats["rollout/generate_time"])
     m["perf/wait_time_ratio"] = m.get("perf/wait_rollout_time", 0.0) / max(m["perf/step_time"], 1e-9)
-    m["async/staleness_mean"] = step - ref.stats["rollout/weight_version_mean"]
-    m["async/staleness_max"] = step - ref.stats["rollout/weight_version_min"]
+    m.setdefault("async/staleness_mean", step - ref.stats["rollout/weight_version_mean"])
+    m.setdefault("async/staleness_max", step - ref.stats["rollout/weight_version_min"])
     return m
+
+
+def write_sample_ledger(runtime: Runtime, ledger: list[dict]) -> dict[str, int]:
+    """Write ``samples.jsonl`` (one line per generated batch: each sample's weight version
+    and outcome) and print the balance: generated = trained + dropped, by reason."""
+    import json
+    from collections import Counter
+
+    counts = Counter(o or "unfinished" for entry in ledger for o in entry["outcome"])
+    with open(os.path.join(runtime.output_dir, "samples.jsonl"), "w") as f:
+        for entry in ledger:
+            f.write(json.dumps(entry) + "\n")
+    generated = sum(counts.values())
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "trained") or "none"
+    print(f"[run] samples: {generated} generated = {counts['trained']} trained + dropped "
+          f"({dropped}); ledger in samples.jsonl", flush=True)
+    return dict(counts)

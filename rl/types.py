@@ -93,3 +93,14 @@ class RolloutRef:
     """Trained tokens over all partitions (the loss is normalised by this)."""
     stats: dict[str, float] = field(default_factory=dict)
     """Rollout-side metrics of the step (reward mean, generation and put timings ...)."""
+    first_sample_id: int = 0
+    """The batch's samples have ids ``first_sample_id + i``, i in batch order."""
+    weight_versions: list[int] = field(default_factory=list)
+    """Weight version that generated sample i (batch order); -1 = the engine's initial weights."""
+    min_version: int | None = None
+    """Set when handed out for training: samples of older weights are dropped (too stale)."""
+
+    def kept(self) -> list[bool]:
+        """Per sample (batch order): is it trained on (not older than ``min_version``)?"""
+        low = self.min_version
+        return [low is None or v >= low for v in self.weight_versions]

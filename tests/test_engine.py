@@ -94,6 +94,28 @@ def test_logprobs_equal_a_forward_pass(server, tiny_path, temperature):
     assert client.get_weight_version() == "default"
 
 
+
+def test_pause_holds_requests_and_continue_answers_them(server):
+    """While paused no request is answered (so weights can be swapped under no forward
+    pass); continue answers the held ones; SGLang's default ``abort`` mode is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = EngineClient(server, "engine-0")
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+    code, ans = _post(server, "/pause_generation", {"mode": "abort"})
+    assert code == 400 and "retract" in ans["error"]["message"]
+    client.pause_generation()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(_post, server, "/generate", body) for _ in range(2)]
+            time.sleep(1.5)
+            assert not any(f.done() for f in held)  # held, not failed
+            assert client.health()  # the control plane still answers while paused
+            client.continue_generation()
+            assert all(f.result(timeout=30)[0] == 200 for f in held)
+    finally:
+        client.continue_generation()
+
 def test_generation_stops_at_first_eos(tiny_path):
     tok = load_tokenizer(tiny_path)
     model = load_model(tiny_path)

@@ -112,7 +112,15 @@ class Learner:
         columns = self.store.get(part)
         get_s = time.perf_counter() - t0
         batch = RolloutBatch.from_columns(columns)
+        if ref.min_version is not None:  # too-stale samples (async) stay out of the loss
+            for i in np.flatnonzero(batch.weight_version < ref.min_version):
+                batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
         metrics = self.train_batch(batch)
+        # ranks all run the same micro-batches (FSDP collectives), dropped samples masked
+        trained = torch.tensor([float((batch.weight_version >= (ref.min_version or -(1 << 62))).sum())],
+                               dtype=torch.float64)
+        dist.all_reduce(trained)
+        metrics["train/samples"] = float(trained)
         # Slowest rank's GET, and all ranks' bytes: the step waits for the slowest reader.
         get_ms = torch.tensor([get_s * 1e3], dtype=torch.float64)
         dist.all_reduce(get_ms, op=dist.ReduceOp.MAX)

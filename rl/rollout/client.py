@@ -71,8 +71,10 @@ class EngineClient:
     def flush_cache(self) -> None:
         self._request("POST", "/flush_cache")
 
-    def pause_generation(self) -> None:
-        self._request("POST", "/pause_generation", {})
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Stop scheduling forward passes (returns once none runs); ``retract`` keeps the
+        requests in flight (SGLang's default ``abort`` would end them early)."""
+        self._request("POST", "/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> None:
         self._request("POST", "/continue_generation", {})

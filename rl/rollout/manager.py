@@ -5,11 +5,18 @@ Per step: draw prompts from the task, send ``n_samples_per_prompt`` requests per
 GRPO advantages, build a ``RolloutBatch``, split it over the learner ranks balanced by
 token count, ``put`` each partition into the store and return a small ``RolloutRef``.
 The batch itself never goes back to the driver.
+
+Fully async (``train_async.py rollout.fully_async=true``): ``start_stream`` generates batch
+after batch on a thread into a queue bounded by ``rollout.max_inflight_batches``; the driver
+takes them with ``next_batch`` (too-stale samples dropped and counted) and gives each slot
+back with ``release`` after the weight sync, so the next batch starts on the new weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 import time
 
 import numpy as np
@@ -33,13 +40,17 @@ class RolloutManager:
                                 for i, u in enumerate(engine_urls)])
         self.store = cfg.transfer.build(runtime, role="producer")
         self.next_sample_id = 0
+        self._lock = threading.Lock()  # data position and sample ids (the stream thread draws too)
+        self._stream: Stream | None = None
 
     # -- the step ----------------------------------------------------------------------
-    def generate(self, step: int) -> RolloutRef:
+    def generate(self, step: int, stop: threading.Event | None = None) -> RolloutRef:
+        """One batch, stored; ``stop`` (set by another thread) abandons the generation."""
         rc = self.cfg.rollout
         started = time.time()
         t0 = time.perf_counter()
-        prompts = self.task.next_prompts(rc.prompts_per_step)
+        with self._lock:
+            prompts = self.task.next_prompts(rc.prompts_per_step)
         sampling = {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
                     "top_p": rc.top_p, "top_k": rc.top_k}
         prompt_ids = [self._encode(p.text) for p in prompts]
@@ -48,9 +59,11 @@ class RolloutManager:
             raise ValueError(f"{len(too_long)} prompt(s) of up to {max(too_long)} tokens exceed "
                              f"rollout.max_prompt_tokens={rc.max_prompt_tokens}; raise it")
         answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
-                                              sampling, rc.request_timeout_s, label=f"step {step}"))
+                                              sampling, rc.request_timeout_s, label=f"step {step}",
+                                              stop=stop))
         gen_s = time.perf_counter() - t0
-        batch = self._build_batch(prompts, prompt_ids, answers)
+        with self._lock:
+            batch = self._build_batch(prompts, prompt_ids, answers)
         parts = split_balanced(batch.prompt_len + batch.response_len, self.cfg.cluster.num_learners)
         refs = self._put_partitions(batch, parts, step)
         put_ms = [r.timings_ms.get("put_ms", 0.0) for r in refs]
@@ -71,7 +84,9 @@ class RolloutManager:
             "transfer/bytes": float(sum(r.nbytes for r in refs)),
         }
         return RolloutRef(step=step, partitions=refs, num_samples=len(batch),
-                          num_loss_tokens=batch.num_loss_tokens, stats=stats)
+                          num_loss_tokens=batch.num_loss_tokens, stats=stats,
+                          first_sample_id=int(batch.sample_id[0]),
+                          weight_versions=batch.weight_version.tolist())
 
     def _encode(self, text: str) -> list[int]:
         if self.cfg.model.chat_template:
@@ -132,21 +147,174 @@ class RolloutManager:
         self.store.remove(refs)
 
     def state_dict(self) -> dict:
-        return {"task": self.task.state_dict(), "next_sample_id": self.next_sample_id}
+        with self._lock:
+            return {"task": self.task.state_dict(), "next_sample_id": self.next_sample_id}
 
     def load_state_dict(self, state: dict) -> None:
-        self.task.load_state_dict(state["task"])
-        self.next_sample_id = int(state["next_sample_id"])
+        with self._lock:
+            self.task.load_state_dict(state["task"])
+            self.next_sample_id = int(state["next_sample_id"])
+
+    def pause(self) -> None:
+        """Every engine stops scheduling forward passes (requests in flight are kept)."""
+        for c in self.pool.clients:
+            c.pause_generation(self.cfg.rollout.pause_mode)
+
+    def resume(self) -> None:
+        for c in self.pool.clients:
+            c.continue_generation()
+
+    # -- fully async -------------------------------------------------------------------------
+    def start_stream(self, first_step: int) -> None:
+        if self._stream is not None:
+            raise RuntimeError("the rollout stream is already running")
+        self._stream = Stream(self, first_step, self.cfg.rollout.max_inflight_batches)
+
+    def next_batch(self, step: int) -> RolloutRef:
+        return self._stream.next_batch(step, self.cfg.algo.max_staleness)
+
+    def release(self, ref: RolloutRef, step: int) -> None:
+        self._stream.release(ref, step)
+
+    def resume_position(self) -> dict:
+        return self._stream.resume_position()
+
+    def stop_stream(self) -> list[dict]:
+        """Stop generating, remove the batches nobody took; returns the sample ledger."""
+        stream, self._stream = self._stream, None
+        return stream.stop() if stream is not None else []
 
     def close(self) -> None:
-        self.store.close()
+        try:
+            self.stop_stream()
+        finally:
+            self.store.close()
+
+
+class Stopped(Exception):
+    """The generation was abandoned because the stream is stopping."""
+
+
+class Stream:
+    """Fully async rollout: batches are generated one after another on a thread and queued
+    as store refs. A slot of ``max_inflight`` is taken before a batch starts and given back
+    by ``release`` (after the weight sync that follows its training step) or when it is
+    dropped, so the store never holds more than ``max_inflight`` batches and a sample is at
+    most ``max_inflight - 1`` versions older than the weights it is trained against.
+
+    The ledger has one entry per stored batch: each sample's outcome is ``trained`` (with
+    the step), ``stale`` (older than ``algo.max_staleness`` allows) or ``end_of_run`` (still
+    queued when the run ended); a generation abandoned at the end stores nothing."""
+
+    def __init__(self, manager: RolloutManager, first_step: int, max_inflight: int) -> None:
+        self.manager = manager
+        self.slots = threading.Semaphore(max_inflight)
+        self.ready: collections.deque[RolloutRef] = collections.deque()
+        self.cond = threading.Condition()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.ledger: dict[int, dict] = {}  # batch index -> entry
+        self.positions: dict[int, dict] = {}  # batch index -> data position before its prompts
+        self.dropped_total = 0
+        self.thread = threading.Thread(target=self._produce, args=(first_step,),
+                                       name="rollout-stream", daemon=True)
+        self.thread.start()
+
+    def _produce(self, step: int) -> None:
+        try:
+            while not self.stopping.is_set():
+                if not self.slots.acquire(timeout=0.2):
+                    continue
+                with self.cond:
+                    self.positions[step] = self.manager.state_dict()
+                ref = self.manager.generate(step, stop=self.stopping)
+                with self.cond:
+                    self.ledger[step] = {"batch": step, "first_sample_id": ref.first_sample_id,
+                                         "weight_version": ref.weight_versions,
+                                         "outcome": [None] * ref.num_samples, "trained_at_step": None}
+                    self.ready.append(ref)
+                    self.cond.notify_all()
+                step += 1
+        except Stopped:
+            pass
+        except BaseException as e:  # handed to the driver by next_batch
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def next_batch(self, step: int, max_staleness: int) -> RolloutRef:
+        """The oldest queued batch with a sample fresh enough for ``step``; batches with none
+        are dropped on the way (removed from the store, their slot given back)."""
+        min_version = step - max_staleness
+        dropped = 0
+        while True:
+            with self.cond:
+                while not self.ready:
+                    if self.error is not None:
+                        raise RuntimeError(f"rollout generation failed: {self.error!r}") from self.error
+                    if self.stopping.is_set():
+                        raise RuntimeError("the rollout stream was stopped")
+                    self.cond.wait(timeout=1.0)
+                ref = self.ready.popleft()
+                depth = len(self.ready)
+                self.positions.pop(ref.step)
+            ref.min_version = min_version
+            kept = ref.kept()
+            entry = self.ledger[ref.step]
+            for i, k in enumerate(kept):
+                if not k:
+                    entry["outcome"][i] = "stale"
+            dropped += kept.count(False)
+            if any(kept):
+                break
+            self.manager.store.remove(ref.partitions)
+            self.slots.release()
+        self.dropped_total += dropped
+        lag = [step - v for v, k in zip(ref.weight_versions, kept) if k]
+        ref.stats.update({"async/staleness_mean": float(np.mean(lag)), "async/staleness_max": float(max(lag)),
+                          "async/dropped_samples": float(dropped),
+                          "async/dropped_total": float(self.dropped_total),
+                          "async/queue_depth": float(depth)})
+        return ref
+
+    def resume_position(self) -> dict:
+        """The data position a resumed run starts from: before the oldest batch not yet
+        handed out (queued batches are generated again after a resume)."""
+        with self.cond:
+            return self.positions[min(self.positions)] if self.positions else self.manager.state_dict()
+
+    def release(self, ref: RolloutRef, step: int) -> None:
+        """``ref`` was trained on at ``step`` (its data is already removed): record it, free
+        its slot."""
+        with self.cond:
+            entry = self.ledger[ref.step]
+            entry["trained_at_step"] = step
+            entry["outcome"] = [o or "trained" for o in entry["outcome"]]
+        self.slots.release()
+
+    def stop(self) -> list[dict]:
+        self.stopping.set()
+        self.thread.join(timeout=self.manager.cfg.rollout.request_timeout_s + 30)
+        if self.thread.is_alive():
+            print("[rollout] the generation thread did not stop; a batch it still stores "
+                  "would be left behind", flush=True)
+        with self.cond:
+            leftover = list(self.ready)
+            self.ready.clear()
+        for ref in leftover:
+            entry = self.ledger[ref.step]
+            entry["outcome"] = [o or "end_of_run" for o in entry["outcome"]]
+            self.manager.store.remove(ref.partitions)
+        return [self.ledger[k] for k in sorted(self.ledger)]
 
 
 # A module-level coroutine: an ``async def`` method would turn the Ray actor into an
 # asyncio actor, whose running event loop forbids ``asyncio.run`` in ``generate``.
 async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int, sampling: dict,
-                          timeout_s: float, label: str = "") -> list[list[dict]]:
-    """``n`` samples per prompt, all requests in flight at once; answers grouped by prompt."""
+                          timeout_s: float, label: str = "",
+                          stop: threading.Event | None = None) -> list[list[dict]]:
+    """``n`` samples per prompt, all requests in flight at once; answers grouped by prompt.
+    ``stop`` set by another thread cancels every request and raises ``Stopped``."""
     import aiohttp
 
     total, done = len(prompt_ids) * n, 0
@@ -165,9 +333,16 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = [[asyncio.ensure_future(one(session, ids)) for _ in range(n)] for ids in prompt_ids]
+        everything = asyncio.gather(*(t for group in tasks for t in group))
         try:
-            return [list(await asyncio.gather(*group)) for group in tasks]
+            while stop is not None and not everything.done():
+                await asyncio.wait([everything], timeout=0.1)
+                if stop.is_set():
+                    raise Stopped
+            await everything
+            return [[t.result() for t in group] for group in tasks]
         finally:
+            everything.cancel()
             for group in tasks:
                 for t in group:
                     t.cancel()

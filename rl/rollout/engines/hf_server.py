@@ -27,6 +27,8 @@ from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                   "ignore_eos", "skip_special_tokens", "n", "sampling_seed"}
 
+PAUSE_MODES = {"retract", "in_place"}  # both: the running batch finishes, queued ones wait
+
 
 class BatchScheduler:
     """Collects concurrent requests and runs them as one batch on a worker thread."""
@@ -36,8 +38,9 @@ class BatchScheduler:
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.queue: queue.Queue = queue.Queue()
-        self.running = threading.Event()
-        self.running.set()
+        self._state = threading.Condition()
+        self._paused = False
+        self._busy = False  # a batch is on the model now
         self.thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         self.thread.start()
 
@@ -47,6 +50,21 @@ class BatchScheduler:
         for r, f in zip(reqs, futures):
             self.queue.put((r, f, loop))
         return await asyncio.gather(*futures)
+
+    def pause(self) -> None:
+        """Hold new batches and return once the running one (if any) has finished: no
+        forward pass runs until ``resume``, so weights can be swapped safely. A batch runs
+        to completion here, so each answer comes from one weight version; SGLang instead
+        retracts running requests and finishes them under the new weights."""
+        with self._state:
+            self._paused = True
+            while self._busy:
+                self._state.wait()
+
+    def resume(self) -> None:
+        with self._state:
+            self._paused = False
+            self._state.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -59,13 +77,20 @@ class BatchScheduler:
                                  else self.queue.get_nowait())
                 except queue.Empty:
                     break
-            self.running.wait()  # paused: hold queued requests until continue_generation
+            with self._state:
+                while self._paused:  # hold queued requests until continue_generation
+                    self._state.wait()
+                self._busy = True
             try:
                 results = self.engine.generate([r for r, _, _ in items])
             except Exception as e:  # the batch fails, the server lives on
                 for _, fut, loop in items:
                     loop.call_soon_threadsafe(_set_exception, fut, e)
                 continue
+            finally:
+                with self._state:
+                    self._busy = False
+                    self._state.notify_all()
             for (_, fut, loop), res in zip(items, results):
                 loop.call_soon_threadsafe(_set_result, fut, res)
 
@@ -171,13 +196,17 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
         return web.Response(text="Cache flushed.")  # no prefix cache to flush
 
     @routes.post("/pause_generation")
-    async def pause(_):
-        scheduler.running.clear()
+    async def pause(request):
+        body = await request.json() if request.can_read_body else {}
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:  # ``abort`` (SGLang's default) would fail requests: refused
+            return _error(400, f"mode={mode!r}: this engine supports {sorted(PAUSE_MODES)}")
+        await run_blocking(scheduler.pause)
         return web.json_response({"success": True, "message": "paused"})
 
     @routes.post("/continue_generation")
     async def resume(_):
-        scheduler.running.set()
+        scheduler.resume()
         return web.json_response({"success": True, "message": "continued"})
 
     @routes.post("/init_weights_update_group")
