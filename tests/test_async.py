@@ -1,11 +1,20 @@
-"""train_async.py (one-step off-policy): generation of batch N+1 overlaps training of N,
-no sample is staler than one version, every sample is trained once, no key is left."""
+"""train_async.py as a user runs it, over every transfer x weights combination.
+
+One-step off-policy and fully async: generation of batch N+1 overlaps training of N, no
+trained sample is staler than allowed, every generated sample is trained exactly once or
+counted as dropped, no store key or process is left, Ctrl-C cleans up, resume continues
+the data where the checkpoint left it."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 
 import pytest
 
@@ -13,43 +22,170 @@ from tests.conftest import REPO
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics
 from transfer.data.mooncake_master import MooncakeMaster
 
+COMBOS = [("ray", "broadcast"), ("ray", "p2p"), ("mooncake_tcp", "broadcast"), ("mooncake_tcp", "p2p")]
+ASYNC_METRICS = ["perf/wait_time_ratio", "async/staleness_mean", "async/staleness_max",
+                 "async/dropped_samples", "async/queue_depth", "train/samples"]
+
+
+@pytest.fixture
+def data_path(request, tmp_path):
+    """``transfer=...`` overrides, and the Mooncake master (to read its keys) or None."""
+    transfer = request.param
+    if transfer == "ray":
+        yield [f"transfer={transfer}"], None
+        return
+    master = MooncakeMaster("127.0.0.1", log_path=str(tmp_path / "master.log")).start()
+    try:
+        yield [f"transfer={transfer}", f"transfer.master_server_address={master.address}",
+               f"transfer.metadata_server={master.metadata_server}"], master
+    finally:
+        master.stop()
+
 
 def train_async(*overrides: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "train_async.py", *overrides], cwd=REPO,
+    proc = subprocess.run([sys.executable, "train_async.py", "logger=console", *overrides], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 
-@pytest.mark.parametrize("transfer,weights", [("mooncake_tcp", "p2p")])
-def test_one_step_off_policy_overlaps_and_accounts_for_every_sample(tmp_path, transfer, weights):
-    extra = []
-    master = None
-    if transfer == "mooncake_tcp":
-        master = MooncakeMaster("127.0.0.1", log_path=str(tmp_path / "master.log")).start()
-        extra = [f"transfer.master_server_address={master.address}",
-                 f"transfer.metadata_server={master.metadata_server}"]
+def read_ledger(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "samples.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_overlap(rows: list[dict]) -> None:
+    for prev, cur in zip(rows, rows[1:]):
+        # the batch trained at step N+1 was being generated while step N trained
+        assert cur["rollout/started_at"] < prev["train/finished_at"]
+        assert cur["rollout/finished_at"] > prev["train/started_at"]
+
+
+def check_ledger(ledger: list[dict], rows: list[dict], stdout: str, max_staleness: int,
+                 first_step: int = 0) -> Counter:
+    """Every generated sample has exactly one outcome, trained ones within the bound, and
+    the learners trained exactly the samples the ledger says (their own count)."""
+    first = ledger[0]["first_sample_id"]
+    ids = [e["first_sample_id"] + i for e in ledger for i in range(len(e["outcome"]))]
+    assert ids == list(range(first, first + len(ids)))  # each sample once, none missing
+    outcomes = Counter(o for e in ledger for o in e["outcome"])
+    assert set(outcomes) <= {"trained", "stale", "end_of_run"}, outcomes
+    trained_per_step = Counter()
+    for e in ledger:
+        for v, o in zip(e["weight_version"], e["outcome"]):
+            if o == "trained":
+                assert 0 <= e["trained_at_step"] - v <= max_staleness, e
+                trained_per_step[e["trained_at_step"]] += 1
+            elif o == "stale":  # dropped: it was older than the bound for every step it could join
+                assert e["trained_at_step"] is None or e["trained_at_step"] - v > max_staleness
+    assert sorted(trained_per_step) == [r["step"] for r in rows] == list(range(first_step, first_step + len(rows)))
+    assert [trained_per_step[r["step"]] for r in rows] == [r["train/samples"] for r in rows]
+    assert sum(r["async/dropped_samples"] for r in rows) == outcomes["stale"]
+    m = re.search(r"\[run\] samples: (\d+) generated = (\d+) trained", stdout)
+    assert m and (int(m[1]), int(m[2])) == (len(ids), outcomes["trained"]), stdout[-2000:]
+    return outcomes
+
+
+@pytest.mark.parametrize("data_path,weights", COMBOS, indirect=["data_path"],
+                         ids=[f"{t}-{w}" for t, w in COMBOS])
+def test_fully_async_overlaps_bounds_staleness_and_accounts_for_every_sample(tmp_path, data_path, weights):
+    transfer, master = data_path
+    steps, bound = 4, 2
+    proc = train_async(*transfer, f"weights={weights}", "rollout.fully_async=true",
+                       f"rollout.max_inflight_batches={bound}", "algo.max_staleness=1",
+                       f"num_steps={steps}", "rollout.prompts_per_step=8", "checkpoint.every=0",
+                       f"output_dir={tmp_path}")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(steps))
+    for r in rows:
+        missing = [k for k in REQUIRED + ASYNC_METRICS if k not in r]
+        assert not missing, missing
+        assert r["async/queue_depth"] + 1 <= bound  # queued + the one in training
+        assert r["perf/wait_time_ratio"] <= 1
+    check_overlap(rows)
+    assert rows[0]["async/staleness_max"] == 0  # the first batch comes from the start weights
+    outcomes = check_ledger(read_ledger(tmp_path), rows, proc.stdout, max_staleness=1)
+    assert outcomes["stale"] == 0  # a queue of 2 batches keeps every sample within 1 version
+    if master is not None:
+        assert master.keys() == []
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+def test_fully_async_drops_stale_samples_and_resumes_where_it_left(tmp_path, data_path):
+    """A deeper queue than the staleness bound allows: stale samples are dropped and
+    counted; a checkpoint resumes at the first batch not yet taken."""
+    transfer, master = data_path
+    common = [*transfer, "weights=p2p", "rollout.fully_async=true", "rollout.max_inflight_batches=3",
+              "algo.max_staleness=0", "rollout.prompts_per_step=8", "checkpoint.every=3", "num_steps=5"]
+    out = tmp_path / "a"
+    proc = train_async(*common, f"output_dir={out}")
+    rows, ledger = read_metrics(out), read_ledger(out)
+    outcomes = check_ledger(ledger, rows, proc.stdout, max_staleness=0)
+    assert outcomes["stale"] > 0 and all(r["async/staleness_max"] == 0 for r in rows)
+    assert master.keys() == []
+
+    ckpt = out / "checkpoints" / "step_000003"
+    with open(ckpt / "trainer_state.json") as f:
+        resume_id = json.load(f)["rollout"]["next_sample_id"]
+    # the checkpoint's data position is that of the first batch not taken before step 3
+    taken_before = [e for e in ledger if e["first_sample_id"] < resume_id]
+    assert all(e["trained_at_step"] is None or e["trained_at_step"] < 3 for e in taken_before)
+    assert all(e["trained_at_step"] is None or e["trained_at_step"] >= 3
+               for e in ledger if e["first_sample_id"] >= resume_id)
+
+    out2 = tmp_path / "b"
+    proc = train_async(*common, f"checkpoint.resume={ckpt}", f"output_dir={out2}")
+    rows2, ledger2 = read_metrics(out2), read_ledger(out2)
+    assert "resumed from" in proc.stdout
+    assert ledger2[0]["first_sample_id"] == resume_id
+    check_ledger(ledger2, rows2, proc.stdout, max_staleness=0, first_step=3)
+    assert master.keys() == []
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+def test_one_step_off_policy_overlaps_and_trains_every_batch(tmp_path, data_path):
+    transfer, master = data_path
+    steps = 3
+    proc = train_async(*transfer, "weights=p2p", f"num_steps={steps}", "rollout.prompts_per_step=8",
+                       "checkpoint.every=0", f"output_dir={tmp_path}")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(steps))
+    for r in rows:
+        assert all(k in r for k in REQUIRED + ["perf/wait_time_ratio", "async/staleness_max"])
+    check_overlap(rows)
+    assert rows[0]["async/staleness_max"] == 0  # the first batch comes from the start weights
+    assert all(r["async/staleness_max"] == 1 for r in rows[1:])  # then one version behind
+    assert [r["train/samples"] for r in rows] == [8 * 8] * steps  # every batch trained whole
+    assert master.keys() == []
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+def test_ctrl_c_in_fully_async_removes_queued_batches_and_stops_every_process(tmp_path, data_path):
+    transfer, master = data_path
+    proc = subprocess.Popen([sys.executable, "train_async.py", *transfer, "rollout.fully_async=true",
+                             "rollout.max_inflight_batches=3", "num_steps=10000", "logger=console",
+                             "rollout.prompts_per_step=8", f"output_dir={tmp_path}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
     try:
-        steps = 3
-        proc = train_async(f"transfer={transfer}", f"weights={weights}", f"num_steps={steps}",
-                           "rollout.prompts_per_step=8", "logger=console", "checkpoint.every=0",
-                           f"output_dir={tmp_path}", *extra)
-        rows = read_metrics(tmp_path)
-        assert [r["step"] for r in rows] == list(range(steps))
-        for r in rows:
-            assert all(k in r for k in REQUIRED + ["perf/wait_time_ratio", "async/staleness_max"])
-        for prev, cur in zip(rows, rows[1:]):
-            # batch N+1 was being generated while batch N was being trained on
-            assert cur["rollout/started_at"] < prev["train/finished_at"]
-            assert cur["rollout/finished_at"] > prev["train/started_at"]
-        assert rows[0]["async/staleness_max"] == 0  # the first batch comes from the start weights
-        assert all(r["async/staleness_max"] == 1 for r in rows[1:])  # then one version behind
-        # every generated sample was trained once: each step's batch is complete
-        assert all(r["transfer/bytes"] > 0 for r in rows)
-        if master is not None:
-            assert master.keys() == []
-        assert_nothing_left(engine_ports(proc.stdout))
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("step 3/"):
+                break
+        else:
+            raise AssertionError("".join(lines[-50:]))
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
     finally:
-        if master is not None:
-            master.stop()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "[run] samples:" in rest  # the ledger was written on the way out
+    assert master.keys() == []
+    assert_nothing_left(engine_ports("".join(lines)))

@@ -66,10 +66,14 @@ def test_sizes(value, expected):
     ("model.path=/nonexistent/ckpt", "model.path='/nonexistent/ckpt' is not a Hugging Face"),
     ("cluster.num_learners=5", "do not split evenly over cluster.num_learners"),
     ("checkpoint.resume=/nonexistent", "checkpoint.resume='/nonexistent' is not a checkpoint"),
+    ("algo.max_staleness=-1", "algo.max_staleness=-1 must be >= 0"),
+    ("rollout.max_inflight_batches=0", "rollout.max_inflight_batches=0: the queue needs room"),
+    ("rollout.pause_mode=abort", "'abort' would end the requests in flight"),
+    (("cluster.gpus_per_learner=1", "cluster.colocate=true"), "cluster.colocate=true with GPUs"),
 ])
 def test_bad_values_name_the_field(override, fragment):
     with pytest.raises(ValueError, match=None) as e:
-        compose(override)
+        compose(*([override] if isinstance(override, str) else override))
     assert fragment in str(e.value)
 
 
@@ -97,9 +101,10 @@ def test_unknown_option_is_rejected():
     assert "task/nope" in str(e.value) or "nope" in str(e.value)
 
 
-def _run_train(*args: str, timeout: float = 30) -> tuple[subprocess.CompletedProcess, float]:
+def _run_train(*args: str, timeout: float = 30, script: str = "train.py"
+               ) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
@@ -115,6 +120,23 @@ def test_cli_rejects_bad_input_before_workers_start(args, fragment):
     assert proc.returncode != 0
     assert fragment in proc.stderr + proc.stdout
     assert "[cluster]" not in proc.stdout  # nothing was started
+    assert seconds < 20
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["algo.max_staleness=-1"], "algo.max_staleness=-1 must be >= 0"),
+    (["rollout.fully_async=true", "rollout.max_inflight_batches=0"],
+     "rollout.max_inflight_batches=0: the queue needs room for at least 1 batch"),
+    (["rollout.fully_async=true", "cluster.colocate=true"],
+     "cluster.colocate=true is supported by train.py only"),
+    (["cluster.colocate=true"], "cluster.colocate=true is supported by train.py only"),
+    (["algo.max_staleness=0"], "one-step off-policy trains every batch one version behind"),
+])
+def test_train_async_rejects_bad_input_before_workers_start(args, fragment):
+    proc, seconds = _run_train(*args, script="train_async.py")
+    assert proc.returncode != 0
+    assert fragment in proc.stderr + proc.stdout
+    assert "[cluster]" not in proc.stdout and "[run]" not in proc.stdout  # nothing was started
     assert seconds < 20
 
 
