@@ -16,6 +16,7 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO
@@ -42,9 +43,9 @@ def data_path(request, tmp_path):
         master.stop()
 
 
-def train_async(*overrides: str) -> subprocess.CompletedProcess:
+def train_async(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "train_async.py", "logger=console", *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=600,
+                          capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -189,3 +190,18 @@ def test_ctrl_c_in_fully_async_removes_queued_batches_and_stops_every_process(tm
     assert "[run] samples:" in rest  # the ledger was written on the way out
     assert master.keys() == []
     assert_nothing_left(engine_ports("".join(lines)))
+
+
+@pytest.mark.slow
+def test_reward_rises_with_train_async_on_the_default_task(tmp_path):
+    """``python train_async.py`` on its defaults (one-step off-policy; console logger to
+    keep the test offline): the same job as train.py's slow test, one version stale."""
+    t0 = time.monotonic()
+    train_async(f"output_dir={tmp_path}", timeout=900)
+    rows = read_metrics(tmp_path)
+    rewards = [r["rollout/reward_mean"] for r in rows]
+    assert np.mean(rewards[:5]) < 0.1
+    assert np.mean(rewards[-10:]) > 0.9, rewards[-20:]
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    print(f"train_async.py default job: {len(rewards)} steps in {time.monotonic() - t0:.0f}s, "
+          f"final reward {np.mean(rewards[-10:]):.3f}")
