@@ -69,8 +69,9 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
 
     out2 = tmp_path / "b"
     proc = train("num_steps=4", "rollout.prompts_per_step=8", "checkpoint.every=2", "logger=console",
-                 f"checkpoint.resume={out / 'checkpoints' / 'step_000002'}", f"output_dir={out2}")
-    assert "resumed from" in proc.stdout
+                 f"checkpoint.resume={out / 'checkpoints' / 'step_000002'}", f"output_dir={out2}",
+                 "cluster.colocate=true")  # the resumed run shares bundles between the pools
+    assert "resumed from" in proc.stdout and "colocated: engine i and learner rank i" in proc.stdout
     assert [r["step"] for r in read_metrics(out2)] == [2, 3]
     with open(out2 / "checkpoints" / "step_000004" / "trainer_state.json") as f:
         state = json.load(f)

@@ -126,6 +126,16 @@ def test_loopback_hostname_with_several_nodes_is_refused(tmp_path):
         cfg.transfer.start_services(runtime, num_nodes=2, bytes_per_step=1 << 20)
 
 
+def test_capacity_check_counts_every_batch_held_at_once(tmp_path):
+    """One batch fits, three (fully async with rollout.max_inflight_batches=3) do not."""
+    cfg = compose("transfer=mooncake_tcp", "transfer.global_segment_size=16mb",
+                  "transfer.master_server_address=127.0.0.1:1")  # external: nothing is started
+    runtime = Runtime("t", str(tmp_path), "/x")
+    cfg.transfer.start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=1)
+    with pytest.raises(ValueError, match=r"3 rollout batches held at once .* need about 25165824 bytes"):
+        cfg.transfer.start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=3)
+
+
 def test_no_master_on_several_nodes_says_what_to_start(tmp_path, monkeypatch):
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     cfg = compose("transfer=mooncake_tcp")

@@ -112,13 +112,13 @@ class Learner:
         columns = self.store.get(part)
         get_s = time.perf_counter() - t0
         batch = RolloutBatch.from_columns(columns)
-        if ref.min_version is not None:  # too-stale samples (async) stay out of the loss
-            for i in np.flatnonzero(batch.weight_version < ref.min_version):
-                batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
+        # too-stale samples (async) stay out of the loss: masked, not removed, so every rank
+        # still runs the same micro-batches (FSDP's collectives)
+        keep = batch.weight_version >= (ref.min_version if ref.min_version is not None else -1)
+        for i in np.flatnonzero(~keep):
+            batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
         metrics = self.train_batch(batch)
-        # ranks all run the same micro-batches (FSDP collectives), dropped samples masked
-        trained = torch.tensor([float((batch.weight_version >= (ref.min_version or -(1 << 62))).sum())],
-                               dtype=torch.float64)
+        trained = torch.tensor([float(keep.sum())], dtype=torch.float64)
         dist.all_reduce(trained)
         metrics["train/samples"] = float(trained)
         # Slowest rank's GET, and all ranks' bytes: the step waits for the slowest reader.
