@@ -211,9 +211,14 @@ class RolloutHandle:
         """Data position for a checkpoint taken now (before the oldest batch not yet taken)."""
         return self._ray.get(self.actor.resume_position.remote())
 
-    def stop_stream(self) -> list[dict]:
-        """Stop generating and remove what nobody took; returns the per-batch sample ledger."""
-        return self._ray.get(self.actor.stop_stream.remote(), timeout=self.timeout_s)
+    def stop_stream(self) -> list[dict] | None:
+        """Stop generating and remove what nobody took; returns the per-batch sample ledger,
+        or None (reported, not raised: this also runs while another error unwinds)."""
+        try:
+            return self._ray.get(self.actor.stop_stream.remote(), timeout=self.timeout_s)
+        except Exception as e:
+            print(f"[run] could not stop the rollout stream cleanly: {e}", flush=True)
+            return None
 
     def state_dict(self) -> dict:
         return self._ray.get(self.actor.state_dict.remote())

@@ -127,12 +127,15 @@ def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, flo
     return m
 
 
-def write_sample_ledger(runtime: Runtime, ledger: list[dict]) -> dict[str, int]:
+def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str, int]:
     """Write ``samples.jsonl`` (one line per generated batch: each sample's weight version
     and outcome) and print the balance: generated = trained + dropped, by reason."""
     import json
     from collections import Counter
 
+    if ledger is None:
+        print("[run] samples: no ledger (the rollout manager did not answer)", flush=True)
+        return {}
     counts = Counter(o or "unfinished" for entry in ledger for o in entry["outcome"])
     with open(os.path.join(runtime.output_dir, "samples.jsonl"), "w") as f:
         for entry in ledger:
