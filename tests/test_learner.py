@@ -73,6 +73,57 @@ def test_pad_ids_never_reach_the_gradient(tiny_path, tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _async_worker(rank, world, port, tiny_path, out_dir):
+    """Gradients under truncated IS and under the staleness mask, in one process group."""
+    from rl.learner.learner import Learner, mask_stale
+    from transfer.weights.base import full_tensor
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+
+    def grads(batch, tis_cap=0.0):
+        learner.cfg.algo.tis_cap = tis_cap
+        learner.optimizer.zero_grad()
+        learner.accumulate_grads(batch)
+        return {n: full_tensor(p.grad).clone() for n, p in learner.model.named_parameters()}
+
+    def with_engine_logp(value):
+        b = make_batch(8)
+        b.rollout_logprobs = [np.full_like(lp, value) for lp in b.rollout_logprobs]
+        return b
+
+    out = {"plain": grads(make_batch(8)),
+           # engine log-prob -100: ratio current/engine is huge, every token capped at tis_cap
+           "capped_2": grads(with_engine_logp(-100.0), tis_cap=2.0),
+           "capped_half": grads(with_engine_logp(-100.0), tis_cap=0.5),
+           # engine log-prob +50 (more likely than possible): ratio ~0, nothing learned
+           "tiny_ratio": grads(with_engine_logp(50.0), tis_cap=2.0)}
+    stale = make_batch(8)
+    stale.weight_version = np.array([3, 1, 3, 2, 1, 3, 3, 2])
+    keep = mask_stale(stale, min_version=2)
+    out["keep"] = torch.from_numpy(keep)
+    out["masked"] = grads(stale)
+    out["fresh_only"] = grads(make_batch(8).select(np.flatnonzero(keep)))
+    torch.save(out, os.path.join(out_dir, "async_grads.pt"))
+    learner.close()
+
+
+def test_truncated_is_and_staleness_mask_shape_the_gradient(tiny_path, tmp_path):
+    mp.start_processes(_async_worker, args=(1, free_port(), tiny_path, str(tmp_path)),
+                       nprocs=1, join=True, start_method="spawn")
+    g = torch.load(os.path.join(tmp_path, "async_grads.pt"))
+    plain = g["plain"]
+    assert any(v.abs().sum() > 0 for v in plain.values())
+    for name in plain:
+        torch.testing.assert_close(g["capped_2"][name], 2.0 * plain[name], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(g["capped_half"][name], 0.5 * plain[name], rtol=1e-4, atol=1e-7)
+        assert g["tiny_ratio"][name].abs().max() < 1e-12
+        # stale samples masked == trained on the fresh ones only (loss normalised by their tokens)
+        torch.testing.assert_close(g["masked"][name], g["fresh_only"][name], rtol=1e-4, atol=1e-6)
+    assert g["keep"].tolist() == [True, False, True, True, False, True, True, True]
+
+
 def test_pack_keeps_sampled_ids_and_masks_outside_the_response(tiny_path):
     from rl.learner.learner import Learner
 
