@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -15,6 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # pytest started as a background job
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the runs it starts get Ctrl-C again
 
 
 def compose(*overrides: str):
@@ -64,3 +70,31 @@ def pids_with(fragment: str) -> list[int]:
         if fragment in cmd and state != "Z":
             out.append(int(pid))
     return out
+
+
+@contextmanager
+def running(script: str, *overrides: str):
+    """A training run in the background (SIGINT acts as Ctrl-C); killed if the test leaves
+    it running."""
+    proc = subprocess.Popen([sys.executable, script, *overrides], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def read_until(proc: subprocess.Popen, prefix: str, timeout_s: float = 240) -> str:
+    """The run's output up to and including the first line starting with ``prefix``."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith(prefix):
+            return "".join(lines)
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no line {prefix!r} in the output:\n" + "".join(lines[-50:]))

@@ -19,7 +19,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, pids_with, read_until, running
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics
 from transfer.data.mooncake_master import MooncakeMaster
 
@@ -45,7 +45,7 @@ def data_path(request, tmp_path):
 
 def train_async(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "train_async.py", "logger=console", *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout,
+                          capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -167,29 +167,16 @@ def test_one_step_off_policy_overlaps_and_trains_every_batch(tmp_path, data_path
 @pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
 def test_ctrl_c_in_fully_async_removes_queued_batches_and_stops_every_process(tmp_path, data_path):
     transfer, master = data_path
-    proc = subprocess.Popen([sys.executable, "train_async.py", *transfer, "rollout.fully_async=true",
-                             "rollout.max_inflight_batches=3", "num_steps=10000", "logger=console",
-                             "rollout.prompts_per_step=8", f"output_dir={tmp_path}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("step 3/"):
-                break
-        else:
-            raise AssertionError("".join(lines[-50:]))
+    with running("train_async.py", *transfer, "rollout.fully_async=true", "rollout.max_inflight_batches=3",
+                 "num_steps=10000", "logger=console", "rollout.prompts_per_step=8",
+                 f"output_dir={tmp_path}") as proc:
+        out = read_until(proc, "step 3/")
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode != 0
     assert "[run] samples:" in rest  # the ledger was written on the way out
     assert master.keys() == []
-    assert_nothing_left(engine_ports("".join(lines)))
+    assert_nothing_left(engine_ports(out))
 
 
 @pytest.mark.slow
@@ -205,3 +192,23 @@ def test_reward_rises_with_train_async_on_the_default_task(tmp_path):
     assert all(r["async/staleness_max"] <= 1 for r in rows)
     print(f"train_async.py default job: {len(rewards)} steps in {time.monotonic() - t0:.0f}s, "
           f"final reward {np.mean(rewards[-10:]):.3f}")
+
+
+@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+def test_engine_death_in_fully_async_fails_the_run_cleanly(tmp_path, data_path):
+    """An engine killed mid-run: the run fails naming it, and still leaves no key and no
+    process behind."""
+    transfer, master = data_path
+    with running("train_async.py", *transfer, "rollout.fully_async=true", "weights=p2p",
+                 "num_steps=10000", "logger=console", "rollout.prompts_per_step=8",
+                 "rollout.request_timeout_s=30", f"output_dir={tmp_path}") as proc:
+        out = read_until(proc, "step 2/")
+        port = engine_ports(out)[1]
+        for pid in pids_with(f"--port {port}"):
+            os.kill(pid, signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert f"engine-1 (http://127.0.0.1:{port})" in rest, rest[-3000:]
+    assert "[run] samples:" in rest
+    assert master.keys() == []
+    assert_nothing_left(engine_ports(out))

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, pids_with
+from tests.conftest import REPO, pids_with, read_until, running
 
 REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
             "transfer/put_ms", "transfer/get_ms", "transfer/bytes", "transfer/get_gbps",
@@ -81,26 +81,13 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    proc = subprocess.Popen([sys.executable, "train.py", "num_steps=10000", "logger=console", "weights=p2p",
-                             "rollout.prompts_per_step=8", f"output_dir={tmp_path}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("step 2/"):
-                break
-        else:
-            raise AssertionError("".join(lines[-50:]))
+    with running("train.py", "num_steps=10000", "logger=console", "weights=p2p",
+                 "rollout.prompts_per_step=8", f"output_dir={tmp_path}") as proc:
+        out = read_until(proc, "step 2/")
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.communicate(timeout=90)
     assert proc.returncode != 0
-    assert_nothing_left(engine_ports("".join(lines)))
+    assert_nothing_left(engine_ports(out))
 
 
 @pytest.mark.slow

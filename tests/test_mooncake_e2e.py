@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rl.runtime import Runtime
-from tests.conftest import REPO, compose, pids_with
+from tests.conftest import REPO, compose, pids_with, read_until, running
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
 from transfer.data.mooncake_master import MooncakeMaster
 from transfer.data.mooncake_store import explain_import_error
@@ -54,30 +54,18 @@ def test_train_py_with_a_local_master(tmp_path):
 
 
 def test_killed_master_stops_the_run_with_an_error_naming_the_store(tmp_path):
-    proc = subprocess.Popen([sys.executable, "train.py", "transfer=mooncake_tcp", "num_steps=10000",
-                             *SMALL, f"output_dir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            lines.append(proc.stdout.readline())
-            if lines[-1].startswith("step 2/"):
-                break
-        else:
-            raise AssertionError("".join(lines[-40:]))
-        pid = int(re.search(r"local master \(pid (\d+)\)", "".join(lines)).group(1))
+    with running("train.py", "transfer=mooncake_tcp", "num_steps=10000", *SMALL,
+                 f"output_dir={tmp_path}") as proc:
+        out = read_until(proc, "step 2/")
+        pid = int(re.search(r"local master \(pid (\d+)\)", out).group(1))
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         rest, _ = proc.communicate(timeout=120)
         elapsed = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode != 0
     assert "Mooncake store" in rest, rest[-3000:]
     assert elapsed < 90
-    assert_nothing_left(engine_ports("".join(lines)))
+    assert_nothing_left(engine_ports(out))
 
 
 def _cli(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:

@@ -237,7 +237,7 @@ class Stream:
                 step += 1
         except Stopped:
             pass
-        except BaseException as e:  # handed to the driver by next_batch
+        except Exception as e:  # handed to the driver by next_batch
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
