@@ -100,7 +100,14 @@ class RolloutRef:
     min_version: int | None = None
     """Set when handed out for training: samples of older weights are dropped (too stale)."""
 
-    def kept(self) -> list[bool]:
+    def kept(self) -> np.ndarray:
         """Per sample (batch order): is it trained on (not older than ``min_version``)?"""
-        low = self.min_version
-        return [low is None or v >= low for v in self.weight_versions]
+        return fresh(np.asarray(self.weight_versions, dtype=np.int64), self.min_version)
+
+
+def fresh(weight_version: np.ndarray, min_version: int | None) -> np.ndarray:
+    """The staleness bound, in one place: samples of ``min_version`` or newer are trained on
+    (all of them when it is None)."""
+    if min_version is None:
+        return np.ones(len(weight_version), dtype=bool)
+    return weight_version >= min_version

@@ -261,17 +261,16 @@ class Stream:
             ref.min_version = min_version
             kept = ref.kept()
             entry = self.ledger[ref.step]
-            for i, k in enumerate(kept):
-                if not k:
-                    entry["outcome"][i] = "stale"
-            dropped += kept.count(False)
-            if any(kept):
+            for i in np.flatnonzero(~kept):
+                entry["outcome"][i] = "stale"
+            dropped += int((~kept).sum())
+            if kept.any():
                 break
             self.manager.store.remove(ref.partitions)
             self.slots.release()
         self.dropped_total += dropped
-        lag = [step - v for v, k in zip(ref.weight_versions, kept) if k]
-        ref.stats.update({"async/staleness_mean": float(np.mean(lag)), "async/staleness_max": float(max(lag)),
+        lag = step - np.asarray(ref.weight_versions)[kept]
+        ref.stats.update({"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
                           "async/dropped_samples": float(dropped),
                           "async/dropped_total": float(self.dropped_total),
                           "async/queue_depth": float(depth)})
@@ -341,8 +340,7 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
                     raise Stopped
             await everything
             return [[t.result() for t in group] for group in tasks]
-        finally:
-            everything.cancel()
+        finally:  # one failed request ends the gather but not its siblings: cancel each
             for group in tasks:
                 for t in group:
                     t.cancel()
