@@ -4,11 +4,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The one pinned SGLang release (rl/rollout/sglang_version.py), for the contract tests.
+SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' rl/rollout/sglang_version.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
 .PHONY: venv train test test-fast bench-transfer clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml rl/rollout/sglang_version.py
 	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } || true
 	@[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] \
 		|| { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
@@ -17,7 +19,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[cpu,test]"
+	$(BIN)/pip install -q -e ".[cpu,test,sglang-contract]"
+	# SGLang's own code for the contract tests (tests/sglang_release.py), without its GPU
+	# dependencies: the extra above holds what its CPU-importable modules need.
+	$(BIN)/pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -63,8 +63,11 @@ def serve_receiver(port: int) -> None:
         state["groups"].pop(b["group_name"]).destroy()
         return web.json_response({"success": True, "message": ""})
 
-    async def version(_):
+    async def model_info(_):
         return web.json_response({"weight_version": state["version"]})
+
+    async def ok(_):  # session open/close and the cache flush: nothing to do without a model
+        return web.json_response({"success": True, "message": ""})
 
     async def health(_):
         return web.Response(text="")
@@ -73,7 +76,9 @@ def serve_receiver(port: int) -> None:
     app.add_routes([web.post("/init_weights_update_group", init),
                     web.post("/update_weights_from_distributed", update),
                     web.post("/destroy_weights_update_group", destroy),
-                    web.get("/get_weight_version", version), web.get("/health", health)])
+                    web.post("/begin_weight_update", ok), web.post("/end_weight_update", ok),
+                    web.post("/flush_cache", ok), web.get("/model_info", model_info),
+                    web.get("/health", health)])
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 

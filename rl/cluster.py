@@ -102,8 +102,12 @@ class Cluster:
     def engine_clients(self) -> list:
         from rl.rollout.client import EngineClient
 
+        rc = self.cfg.rollout
+        # Engines paused in place keep their running batch, and SGLang refuses any flush
+        # while it holds requests: no flush after a sync then (docs/sglang.md).
+        in_place = rc.fully_async and rc.pause_mode == "in_place"
         return [EngineClient(u, f"engine-{i}", num_ranks=max(1, self.cfg.cluster.gpus_per_engine),
-                             timeout_s=self.cfg.weights.timeout_s)
+                             timeout_s=self.cfg.weights.timeout_s, flush_after_update=not in_place)
                 for i, u in enumerate(self.engine_urls)]
 
     # -- stop --------------------------------------------------------------------------

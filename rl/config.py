@@ -135,6 +135,9 @@ class RolloutConfig:
     """Bound on one generate request."""
     engine_start_timeout_s: float = 180.0
     """Bound on an engine becoming healthy; its log tail is reported when exceeded."""
+    health_check_timeout_s: float = 30.0
+    """Bound on one ``/health`` answer (SGLang answers 503 while loading, and may run a
+    one-token generation and sleep 1 s before answering 200)."""
     fully_async: bool = False
     """``train_async.py`` only: engines generate continuously into a bounded queue instead of
     one batch ahead (weight syncs pause and continue them)."""
@@ -147,7 +150,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "max_prompt_tokens",
-                  "request_timeout_s", "engine_start_timeout_s")
+                  "request_timeout_s", "engine_start_timeout_s", "health_check_timeout_s")
         if self.max_inflight_batches < 1:
             raise ValueError(f"rollout.max_inflight_batches={self.max_inflight_batches}: the queue "
                              f"needs room for at least 1 batch (2 or more lets generation overlap training)")
@@ -162,6 +165,11 @@ class RolloutConfig:
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.n_samples_per_prompt
+
+    def sampling_params(self) -> dict:
+        """The ``sampling_params`` of every generate request (SGLang's field names)."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k}
 
     def server_command(self, model_path: str, host: str, port: int, index: int,
                        seed: int, gpus: int) -> list[str]:

@@ -9,22 +9,35 @@ servers, least outstanding requests first.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import requests
 
 
 class EngineError(RuntimeError):
-    """An engine answered with an error or did not answer."""
+    """An engine answered with an error (``status`` is its HTTP status) or did not answer
+    (``status`` is None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineClient:
-    def __init__(self, url: str, name: str, num_ranks: int = 1, timeout_s: float = 120.0) -> None:
+    def __init__(self, url: str, name: str, num_ranks: int = 1, timeout_s: float = 120.0,
+                 flush_after_update: bool = True) -> None:
         self.url = url.rstrip("/")
         self.name = f"{name} ({self.url})"
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
+        self.flush_after_update = flush_after_update
+        """False when engines pause ``in_place`` around syncs: SGLang refuses the flush then."""
         self._session: requests.Session | None = None
+        # Features told apart by the server's answers (404 = an older release), never by a
+        # version string: None until the first call finds out.
+        self._has_sessions: bool | None = None
+        self._has_model_info: bool | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_session": None}
@@ -52,24 +65,50 @@ class EngineClient:
                 body = r.text
         if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
             message = body.get("message") or body.get("error") if isinstance(body, dict) else body
-            raise EngineError(f"{self.name}{path}: HTTP {r.status_code}: {message}")
+            raise EngineError(f"{self.name}{path}: HTTP {r.status_code}: {message}", r.status_code)
         return body
 
-    def health(self, timeout_s: float = 5.0) -> bool:
+    def health(self, timeout_s: float = 30.0) -> bool:
+        """``GET /health`` answered 200. SGLang answers 503 while loading and may run a
+        one-token generation and sleep 1 s before answering, so give it time."""
         try:
             self._request("GET", "/health", timeout_s=timeout_s)
             return True
         except EngineError:
             return False
 
-    def get_model_info(self) -> dict:
+    def model_info(self) -> dict:
+        """``GET /model_info`` (SGLang 0.5.21+); older servers only have ``/get_model_info``."""
+        if self._has_model_info is not False:
+            info = self._request("GET", "/model_info", ok_404=True)
+            self._has_model_info = info is not None
+            if info is not None:
+                return info
         return self._request("GET", "/get_model_info")
 
     def get_weight_version(self) -> str:
+        """The weight version the engine serves, from ``/model_info``. ``/get_weight_version``
+        is deprecated since 0.5.9 and removed in 0.5.21; it is asked only when the model
+        info carries no version (releases before 0.5.9)."""
+        info = self.model_info()
+        if "weight_version" in info:
+            return str(info["weight_version"])
         return str(self._request("GET", "/get_weight_version")["weight_version"])
 
-    def flush_cache(self) -> None:
-        self._request("POST", "/flush_cache")
+    def flush_cache(self, timeout_s: float | None = None) -> bool:
+        """``POST /flush_cache``, retried while the engine refuses (HTTP 400: requests still
+        running or queued) until ``timeout_s``; returns whether it flushed."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            try:
+                self._request("POST", "/flush_cache")
+                return True
+            except EngineError as e:
+                if e.status != 400 or time.monotonic() >= deadline:
+                    if e.status == 400:
+                        return False
+                    raise
+            time.sleep(0.2)
 
     def pause_generation(self, mode: str = "retract") -> None:
         """Stop scheduling forward passes (returns once none runs); ``retract`` keeps the
@@ -79,6 +118,7 @@ class EngineClient:
     def continue_generation(self) -> None:
         self._request("POST", "/continue_generation", {})
 
+    # -- weight updates (transfer.weights.WeightReceiver) --------------------------------------
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str) -> None:
         self._request("POST", "/init_weights_update_group", {
@@ -86,12 +126,33 @@ class EngineClient:
             "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
             "backend": backend})
 
+    def begin_weight_update(self) -> None:
+        """Open SGLang's weight-update session (0.5.21+ refuses updates outside one). A 404
+        means an older server, whose updates need no session; learned once, at first use."""
+        if self._has_sessions is False:
+            return
+        self._has_sessions = self._request("POST", "/begin_weight_update", {}, ok_404=True) is not None
+
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]], group_name: str,
-                                        flush_cache: bool, weight_version: str) -> None:
+                                        weight_version: str) -> None:
+        """Receive one bucket. Never ``flush_cache=True`` here: on 0.5.10-0.5.20 a flush
+        inside an update while retracted requests wait kills the engine (``assert
+        flush_cache_success``); ``end_weight_update`` flushes once, after the session."""
         self._request("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": weight_version})
+            "flush_cache": False, "weight_version": weight_version})
+
+    def end_weight_update(self) -> None:
+        """Close the session, then flush the prefix cache the old weights filled (unless the
+        engine is paused in place, where SGLang refuses any flush while requests sit in the
+        running batch). A flush still refused after ``timeout_s`` is reported, not fatal:
+        the weights are loaded; only cached prefixes may still hold old-weight KV."""
+        if self._has_sessions:
+            self._request("POST", "/end_weight_update", {})
+        if self.flush_after_update and not self.flush_cache():
+            print(f"[weights] {self.name}: /flush_cache still refused after {self.timeout_s:.0f}s "
+                  f"(requests queued); cached prefixes may hold KV of the previous weights", flush=True)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._request("POST", "/destroy_weights_update_group", {"group_name": group_name},
@@ -110,7 +171,7 @@ class EngineClient:
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 body = await r.json(content_type=None)
                 if r.status != 200:
-                    raise EngineError(f"{self.name}/generate: HTTP {r.status}: {body}")
+                    raise EngineError(f"{self.name}/generate: HTTP {r.status}: {body}", r.status)
                 return body
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise EngineError(f"{self.name}/generate: no answer ({type(e).__name__}: {e})") from None

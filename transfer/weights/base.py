@@ -7,11 +7,16 @@ that a sender needs (the HTTP client in ``rl.rollout.client`` satisfies it, for 
 for the CPU engine alike)::
 
     r.init_weights_update_group(master_address, master_port, rank_offset, world_size,
-                                group_name, backend)      # joins the sender's side group
+                                group_name, backend)      # once: joins the sender's side group
+    r.begin_weight_update()                                # per push: open a session
     r.update_weights_from_distributed(names, dtypes, shapes, group_name,
-                                      flush_cache, weight_version)  # then receives a broadcast
+                                      weight_version)      # per bucket: receive a broadcast
+    r.end_weight_update()                                  # close the session, flush the cache
     r.get_weight_version()                                 # what the engine now serves
-    r.destroy_weights_update_group(group_name)
+    r.destroy_weights_update_group(group_name)             # at exit
+
+Engine ranks in a group are ``rank_offset + tp_rank``; the sender is rank 0 and broadcasts
+each tensor of a bucket in the order of ``names`` (SGLang receives them in that order).
 
 ``WeightSync`` is the learner side. Every learner rank calls every method in the same
 order, because gathering sharded (FSDP2) parameters is a collective::
@@ -38,9 +43,13 @@ class WeightReceiver(Protocol):
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str) -> None: ...
 
+    def begin_weight_update(self) -> None: ...
+
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]], group_name: str,
-                                        flush_cache: bool, weight_version: str) -> None: ...
+                                        weight_version: str) -> None: ...
+
+    def end_weight_update(self) -> None: ...
 
     def get_weight_version(self) -> str: ...
 
@@ -81,19 +90,6 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]],
         size += nbytes
     if bucket:
         yield bucket
-
-
-def with_last(it: Iterable) -> Iterator[tuple[object, bool]]:
-    """Yield ``(item, is_last)``; looks one item ahead."""
-    it = iter(it)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
 
 
 def dtype_name(dtype: torch.dtype) -> str:

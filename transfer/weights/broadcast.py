@@ -1,8 +1,10 @@
 """``weights=broadcast``: learner rank 0 gathers each bucket and broadcasts it to every engine.
 
-One side group holds the sender (rank 0) and every engine rank. Per bucket, rank 0 asks
-each engine (over its HTTP API, in parallel threads) to receive the named tensors, then
-broadcasts them in the same order. All learner ranks take part in gathering the sharded
+One side group holds the sender (rank 0) and every engine rank. Per push, rank 0 opens a
+weight-update session on every engine; per bucket, it asks each engine (over its HTTP API,
+in parallel threads) to receive the named tensors, then broadcasts them in the same order;
+then it closes the sessions (the engines flush their cache once, here) and checks that every
+engine serves the new version. All learner ranks take part in gathering the sharded
 parameters; only rank 0 sends.
 """
 
@@ -14,9 +16,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-from transfer.weights.base import (WeightReceiver, dtype_name, full_tensor, iter_buckets,
-                                   with_last)
+from transfer.weights.base import WeightReceiver, dtype_name, full_tensor, iter_buckets
 from transfer.weights.group import SideGroup, free_port, init_side_group
+
+
+class EngineRefused(RuntimeError):
+    """An engine refused a bucket (e.g. an update outside a weight-update session)."""
 
 
 class BroadcastSync:
@@ -64,45 +69,68 @@ class BroadcastSync:
 
     # -- per step ----------------------------------------------------------------------
     def push(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """One weight-update session per push: ``begin``, every bucket, ``end`` (which also
+        flushes the engines' prefix cache), then every engine must report ``version``."""
         t0 = time.perf_counter()
         sent = 0
         gathered = ((name, full_tensor(p)) for name, p in named_params)  # collective
-        for bucket, last in with_last(iter_buckets(gathered, self.bucket_bytes)):
-            if self.receivers:  # ranks without engines only take part in the gather
-                sent += self._send_bucket(bucket, version, flush_cache=last)
+        if self.receivers:  # ranks without engines only take part in the gather
+            self._on_engines("begin_weight_update")
+        for bucket in iter_buckets(gathered, self.bucket_bytes):
+            if self.receivers:
+                sent += self._send_bucket(bucket, version)
         if self.receivers:
-            self._check_versions(version)
+            self._on_engines("end_weight_update")
+            check_versions(self.receivers, version, self._pool, self.timeout_s)
         # A sender delivers one copy per receiving engine rank (gloo/nccl broadcast moves
         # about that much); `weights/bytes` is the model size each engine receives.
         return {"weights/bytes": float(sent),
                 "weights/sender_bytes": float(sent * sum(r.num_ranks for r in self.receivers)),
                 "weights/push_s": time.perf_counter() - t0}
 
-    def _check_versions(self, version: int) -> None:
-        check_versions(self.receivers, version, self._pool, self.timeout_s)
+    def _on_engines(self, method: str) -> None:
+        assert self._pool is not None, "connect() first"
+        self._raise_engine_errors({self._pool.submit(getattr(r, method)): r for r in self.receivers})
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int,
-                     flush_cache: bool) -> int:
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: int) -> int:
+        """Ask every engine to receive the bucket, then broadcast its tensors in order (each
+        one a broadcast, as SGLang receives them)."""
         assert self.group is not None and self._pool is not None, "connect() first"
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         futures = {
             self._pool.submit(r.update_weights_from_distributed, names, dtypes, shapes,
-                              self.group_name, flush_cache, str(version)): r
+                              self.group_name, str(version)): r
             for r in self.receivers
         }
-        nbytes = 0
+        tensors = [t.to(self.device).contiguous() for _, t in bucket]
         try:
-            for _, t in bucket:
-                t = t.to(self.device).contiguous()
-                self.group.broadcast(t, src=0)
-                nbytes += t.numel() * t.element_size()
-        except Exception as e:
+            works = [self.group.broadcast(t, src=0, async_op=True) for t in tensors]
+            self._wait_broadcast(works, futures)
+        except EngineRefused:
+            raise
+        except Exception as e:  # a peer left the group: the engines' answers say why
             self._raise_engine_errors(futures, cause=e)
             raise
         self._raise_engine_errors(futures)
-        return nbytes
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _wait_broadcast(self, works: list, futures: dict) -> None:
+        """Wait for the bucket's broadcasts, but fail at once when an engine refuses the
+        bucket: it will never join them, and waiting would only end at the group timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while not all(w.is_completed() for w in works):
+            refused = [f for f in futures if f.done() and f.exception() is not None]
+            if refused:
+                raise EngineRefused("weight update failed on " + "; ".join(
+                    f"{futures[f].name}: {f.exception()}" for f in refused))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"broadcast of a weight bucket not done within {self.timeout_s:.0f}s "
+                                   "(weights.timeout_s)")
+            time.sleep(0.0005)
+        for w in works:
+            w.wait()
 
     def _raise_engine_errors(self, futures: dict, cause: BaseException | None = None) -> None:
         done, pending = wait(futures, timeout=self.timeout_s)

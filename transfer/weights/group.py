@@ -1,12 +1,17 @@
 """Side process groups for weight updates, outside the learners' own FSDP world.
 
-The sender (a learner rank) and the engines build one group per update path from a
-``TCPStore`` plus a raw ``ProcessGroupGloo``/``ProcessGroupNCCL``. No default world is
-needed or touched, so a learner that already runs FSDP over its own world and an engine
-that runs none can join the same small group. SGLang builds the engine side of the same
-kind of group in ``init_weights_update_group``. Measured with torch 2.13: a gloo group
-built this way broadcasts bf16 tensors between a learner with its own default gloo world
-and an engine process.
+The sender (a learner rank, always rank 0) and the engines' ranks meet in one small group
+per update path. SGLang builds its side of that group in ``init_weights_update_group``
+with ``init_custom_process_group`` (``sglang/srt/utils/common.py``): a ``tcp://`` rendezvous
+through torch's ``rendezvous``, a ``PrefixStore(group_name)`` over the rendezvous store, then
+torch's ``_new_process_group_helper``, which adds key prefixes of its own. The sender must
+build its side the same way or the two never meet: a raw ``TCPStore`` + ``ProcessGroupGloo``
+waits for keys SGLang never writes (measured: ``DistStoreError: wait timeout ... keys:
+/rl-weights-broadcast/0/1``), and with NCCL the first broadcast hangs.
+``tests/test_sglang_contract.py`` joins this function with SGLang's own as the receiver.
+
+Neither side needs a default process group: a learner that runs FSDP over its own world
+and a CPU engine that runs none join the same side group alike.
 """
 
 from __future__ import annotations
@@ -18,47 +23,65 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+BACKENDS = ("gloo", "nccl")
+
 
 @dataclass
 class SideGroup:
     pg: dist.ProcessGroup
-    store: dist.Store
     rank: int
     world_size: int
     backend: str
+    name: str
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        """``torch.distributed.broadcast`` in this group (SGLang's receivers call exactly
+        this); returns the work handle when ``async_op``."""
+        return dist.broadcast(tensor, src=src, group=self.pg, async_op=async_op)
 
     def destroy(self) -> None:
-        shutdown = getattr(self.pg, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except RuntimeError:
-                pass  # already torn down by a peer's exit; nothing left to release
+        if self.pg is None:
+            return
+        try:
+            dist.destroy_process_group(self.pg)
+        except (RuntimeError, ValueError):
+            pass  # already torn down by a peer's exit; nothing left to release
         self.pg = None  # type: ignore[assignment]
-        self.store = None  # type: ignore[assignment]
+
+
+def tcp_url(host: str, port: int) -> str:
+    """``tcp://host:port`` with IPv6 hosts bracketed, as SGLang's ``NetworkAddress.to_tcp``."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
 
 def init_side_group(*, backend: str, master_address: str, master_port: int, rank: int,
                     world_size: int, group_name: str, timeout_s: float) -> SideGroup:
-    """Join (rank > 0) or host (rank 0) a side group; blocks until all ranks joined."""
+    """Host (rank 0) or join (rank > 0) a side group; blocks until every rank has joined.
+
+    Rank 0's rendezvous store listens on ``master_address:master_port`` and waits for all
+    ``world_size`` ranks, so start the other ranks' joins (SGLang's
+    ``/init_weights_update_group``) before calling this on rank 0.
+    """
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+                                                    _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight-update backend {backend!r}; use one of {BACKENDS}")
+    if not group_name:
+        raise ValueError("a weight-update group needs a non-empty name")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                          timeout=timeout, wait_for_workers=False)
-    prefix = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    else:
-        raise ValueError(f"unknown weight-update backend {backend!r}; use 'gloo' or 'nccl'")
-    return SideGroup(pg=pg, store=store, rank=rank, world_size=world_size, backend=backend)
+    store, rank, world_size = next(rendezvous(tcp_url(master_address, master_port), rank,
+                                              world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, backend_options=None,
+                                      timeout=timeout, device_id=None)
+    # Group ranks equal "global" ranks here, so torch.distributed.broadcast(src=0, group=pg)
+    # means the sender on both sides, whatever default world a process has.
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return SideGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, name=group_name)
 
 
 def free_port(host: str = "") -> int:

@@ -54,7 +54,8 @@ class EngineProcess:
                 raise RuntimeError(f"engine-{self.index} exited with code {self.proc.returncode} "
                                    f"while starting; last lines of {self.log_path}:\n"
                                    f"{log_tail(self.log_path)}")
-            if client.health(timeout_s=2.0):
+            remaining = deadline - time.monotonic()
+            if client.health(timeout_s=max(1.0, min(self.rollout.health_check_timeout_s, remaining))):
                 return self.url
             time.sleep(0.2)
         self.stop()

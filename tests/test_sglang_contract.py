@@ -1,0 +1,190 @@
+"""The GPU path held to the pinned SGLang release's own code (``tests.sglang_release``).
+
+- the senders' side groups meet SGLang's ``init_custom_process_group`` and its receive
+  loop, for both weight paths, several engines and engines of two ranks;
+- every request the client sends goes to a route the release's HTTP server has, with the
+  method it allows, and its body validates against that route's request type;
+- the CPU engine accepts what the release's ``/generate`` schema accepts (or refuses it by
+  name) and answers in the release's response schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import requests
+import torch
+
+from rl.config import HFRolloutConfig
+from rl.rollout.client import EngineClient
+from rl.rollout.engines.launcher import EngineProcess
+from rl.rollout.sglang_version import SGLANG_VERSION
+from tests import sglang_release as sgl
+from tests.sglang_engine_ranks import SGLangRanks
+from transfer.weights.broadcast import BroadcastSync
+from transfer.weights.p2p import P2PSync
+
+
+def test_the_pinned_wheel_is_installed():
+    assert sgl.check_pinned() == SGLANG_VERSION
+
+
+# -- weight-update groups ------------------------------------------------------------------
+def _params(step: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    return [("model.embed_tokens.weight", torch.randn(17, 8, generator=g).to(torch.bfloat16)),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(16, 8, generator=g)),
+            ("model.layers.0.input_layernorm.weight", torch.randn(8, generator=g)),
+            ("model.norm.weight", torch.randn(8, generator=g).to(torch.bfloat16)),
+            ("lm_head.weight", torch.randn(17, 8, generator=g))]
+
+
+@pytest.mark.parametrize("path", ["broadcast", "p2p"])
+def test_senders_meet_sglangs_own_engine_side(path):
+    """SGLang's receiver code joins our sender's group and gets every tensor bit for bit,
+    in order; engine ranks are rank_offset + tp_rank."""
+    engines = [SGLangRanks("engine-0"), SGLangRanks("engine-1", num_ranks=2), SGLangRanks("engine-2")]
+    kw = dict(master_address="127.0.0.1", bucket_bytes=1024, backend="gloo", timeout_s=60)
+    if path == "broadcast":
+        senders = [BroadcastSync(rank=0, **kw), BroadcastSync(rank=1, **kw)]
+    else:
+        senders = [P2PSync(rank=r, world_size=2, **kw) for r in range(2)]
+    try:
+        for s in senders:  # each sender hosts its own group; engines join over their API
+            s.connect(engines)
+        if path == "p2p":  # the two-rank engine has a sender to itself
+            assert senders[0].plan == [[1], [0, 2]]
+            assert [e.name for e in senders[1].receivers] == ["engine-0", "engine-2"]
+        for version in (1, 2):
+            for s in senders:
+                s.push(_params(version), version)
+        sent = _params(1) + _params(2)
+        for e in engines:
+            assert e.calls[0] == "init" and e.calls[1] == "begin" and e.calls[-1] == "end"
+            assert e.calls.count("begin") == e.calls.count("end") == 2
+            assert e.get_weight_version() == "2"
+            for rank_got in e.received():  # every rank of every engine
+                assert [n for n, _ in rank_got] == [n for n, _ in sent]
+                for (_, want), (_, got) in zip(sent, rank_got):
+                    assert got.dtype == want.dtype and torch.equal(got, want)
+    finally:
+        for s in senders:
+            s.close()
+        for e in engines:
+            e.close()
+
+
+# -- the client's requests against the release's routes and request types ---------------------
+class RecordingProxy:
+    """Forwards every request to an engine and records (method, path, JSON body)."""
+
+    def __init__(self, target: str) -> None:
+        from aiohttp import ClientSession, web
+
+        self.target, self.seen = target, []
+
+        async def forward(request: web.Request) -> web.Response:
+            raw = await request.read()
+            self.seen.append((request.method, request.path, json.loads(raw) if raw else None))
+            async with ClientSession() as s, s.request(request.method, self.target + request.path_qs,
+                                                       data=raw, headers=request.headers) as r:
+                return web.Response(body=await r.read(), status=r.status,
+                                    content_type=r.content_type)
+
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path, tmp_path_factory):
+    proc = EngineProcess(0, HFRolloutConfig(engine_start_timeout_s=120), tiny_path, seed=0,
+                         log_dir=str(tmp_path_factory.mktemp("logs")), host="127.0.0.1")
+    url = proc.start()
+    yield url
+    proc.stop()
+
+
+def _generate(url: str, prompt_ids: list[list[int]], n: int, sampling: dict) -> list[list[dict]]:
+    from rl.rollout.client import EnginePool
+    from rl.rollout.manager import generate_groups
+
+    return asyncio.run(generate_groups(EnginePool([EngineClient(url, "engine-0")]), prompt_ids, n,
+                                       sampling, timeout_s=60))
+
+
+def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
+    from rl.model import load_model
+
+    proxy = RecordingProxy(engine)
+    try:
+        client = EngineClient(proxy.url, "engine-0", timeout_s=60)
+        assert client.health()
+        # generation as the manager sends it, with the rollout config's sampling fields
+        rc = HFRolloutConfig(top_p=0.9, top_k=5)
+        _generate(proxy.url, [[5, 6, 7]], 2, rc.sampling_params())
+        # a fully async pause and resume, then a whole weight sync over both paths' calls
+        client.pause_generation("retract")
+        client.continue_generation()
+        sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 14,
+                             backend="gloo", timeout_s=60)
+        sync.connect([client])
+        model = load_model(tiny_path)
+        sync.push(model.named_parameters(), 3)
+        assert client.get_weight_version() == "3"
+        sync.close()
+    finally:
+        proxy.close()
+
+    routes, classes = sgl.routes(), sgl.request_classes()
+    called = {(m, p) for m, p, _ in proxy.seen}
+    for path in ("/generate", "/model_info", "/begin_weight_update", "/update_weights_from_distributed",
+                 "/end_weight_update", "/flush_cache", "/init_weights_update_group",
+                 "/destroy_weights_update_group", "/pause_generation", "/continue_generation"):
+        assert any(p == path for _, p in called), f"the client never called {path}"
+    for method, path, body in proxy.seen:
+        route = routes.get(path)
+        assert route is not None, f"SGLang {SGLANG_VERSION} has no route {path}"
+        assert method in route.methods, f"{method} {path}: SGLang allows {sorted(route.methods)}"
+        if path == "/generate":  # the server's contract gate, then its dataclass parse
+            from sglang.api.v1.api_types import GenerateRequest
+            GenerateRequest.from_json_value(body)
+        elif route.body_type is not None:
+            sgl.validate_body(classes[route.body_type], body if body is not None else {})
+        else:
+            assert not body, f"{path} takes no body, the client sent {body}"
+
+
+def test_release_refuses_what_the_validation_refuses():
+    """The checks above can fail: SGLang's own types refuse a wrong type, a missing field,
+    a typo, an unknown sampling key, an unknown pause mode."""
+    from sglang.api.v1.api_types import GenerateRequest, JsonContractError
+
+    c = sgl.request_classes()
+    bad = [(c["InitWeightsUpdateGroupReqInput"], {"master_address": "h", "master_port": "x",
+                                                   "rank_offset": 1, "world_size": 2}),
+           (c["UpdateWeightsFromDistributedReqInput"], {"names": ["a"], "dtypes": ["float32"]}),
+           (c["UpdateWeightsFromDistributedReqInput"], {"names": [], "dtypes": [], "shapes": [],
+                                                         "flush_cahce": False}),
+           (c["PauseGenerationReqInput"], {"mode": "pause"})]
+    for cls, body in bad:
+        with pytest.raises(ValueError):
+            sgl.validate_body(cls, body)
+    with pytest.raises(JsonContractError, match="max_tokens"):
+        GenerateRequest.from_json_value({"input_ids": [1], "sampling_params": {"max_tokens": 3}})
+    assert "/get_weight_version" not in sgl.routes()  # removed in 0.5.21
