@@ -1,4 +1,5 @@
-"""Shared fixtures: composed configs, the tiny checkpoint, one local Ray per test module."""
+"""Shared fixtures: composed configs, the tiny checkpoint, a tiny chat checkpoint, one local
+Ray per test module."""
 
 from __future__ import annotations
 
@@ -41,6 +42,48 @@ def tiny_path() -> str:
     from rl.model import resolve_model_path
 
     return resolve_model_path(ModelConfig())
+
+
+CHAT_TEMPLATE = ("{{ '<|system|>answer briefly.<|end|>' }}{% for m in messages %}"
+                 "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""A chat template whose rendering is plain to read: ``<|system|>answer briefly.<|end|>
+<|user|>PROMPT<|end|><|assistant|>`` (one line)."""
+
+
+def build_chat_checkpoint(path: str) -> str:
+    """A tiny instruction-style Hugging Face checkpoint in ``path``, built in code: a Llama
+    model, the project's character tokenizer with four added role tokens and ``CHAT_TEMPLATE``.
+
+    Llama, not Qwen2: transformers 5 loads every ``qwen2`` checkpoint with its own byte-level
+    ``Qwen2Tokenizer`` (it distrusts the saved class), which drops the character tokenizer's
+    spaces; for ``llama`` it keeps the saved ``tokenizer.json``, as for a real checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rl.config import TinyModelConfig
+    from rl.model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tiny = TinyModelConfig()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads, max_position_embeddings=tiny.max_positions,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_model_path(tmp_path_factory) -> str:
+    return build_chat_checkpoint(str(tmp_path_factory.mktemp("chat-llama")))
 
 
 @pytest.fixture(scope="module")

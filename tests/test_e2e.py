@@ -1,8 +1,9 @@
 """``train.py`` as a user runs it: metrics, W&B offline run, checkpoint and resume, Ctrl-C,
-and (slow) the reward going up on the default task."""
+a chat checkpoint on both weight paths, and (slow) the reward going up on the default task."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, pids_with, read_until, running
+from tests.conftest import REPO, compose, pids_with, read_until, running
 
 REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
             "transfer/put_ms", "transfer/get_ms", "transfer/bytes", "transfer/get_gbps",
@@ -88,6 +89,30 @@ def test_ctrl_c_stops_every_process(tmp_path):
         proc.communicate(timeout=90)
     assert proc.returncode != 0
     assert_nothing_left(engine_ports(out))
+
+
+@pytest.mark.parametrize("weights", ["broadcast", "p2p"])
+def test_chat_checkpoint_gets_templated_prompts_on_both_weight_paths(chat_model_path, weights, tmp_path):
+    """``model=hf`` on an instruction-style checkpoint with ``model.chat_template=true``: the
+    engines receive each prompt as a user turn of the checkpoint's template, and the run
+    trains and syncs (every push checks each engine's weight version) to the end."""
+    args = ("model=hf", f"model.path={chat_model_path}", "model.chat_template=true", f"weights={weights}",
+            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2")
+    proc = train(*args, "num_steps=2", "logger=console", f"output_dir={tmp_path}")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert "step 2/2 | reward" in proc.stdout
+    m = re.search(r"\[rollout\] first prompt as sent \((\d+) tokens\): (.*)", proc.stdout + proc.stderr)
+    assert m, proc.stdout[-3000:]
+    from rl.model import load_tokenizer
+
+    tokenizer = load_tokenizer(chat_model_path)
+    first = compose(*args).task.build().next_prompts(1)[0].text
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": first}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith("<|system|>answer briefly.<|end|><|user|>")
+    assert ast.literal_eval(m.group(2)) == rendered  # decoded from the ids sent to the engines
+    assert int(m.group(1)) == len(re.sub(r"<\|\w+\|>", "#", rendered))  # a token per character or role tag
+    assert_nothing_left(engine_ports(proc.stdout))
 
 
 @pytest.mark.slow

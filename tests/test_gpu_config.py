@@ -70,6 +70,38 @@ def test_two_node_quickstart_commands_are_real(tmp_path, tiny_path):
     assert trainings == 2
 
 
+def test_head_serves_the_job_api_where_the_quickstart_submits():
+    """``ray job submit --address http://<head IP>:PORT`` from another node needs the head's
+    dashboard bound beyond localhost (Ray's default), on that port."""
+    with open(os.path.join(REPO, "scripts", "start_head.sh")) as f:
+        script = f.read().replace("\\\n", " ")
+    start = shlex.split(next(line for line in script.splitlines() if line.startswith("ray start")))
+    assert "--dashboard-host=0.0.0.0" in start
+    port = next((w.split("=", 1)[1] for w in start if w.startswith("--dashboard-port=")), "8265")
+    submits = [c for c in _doc_commands(os.path.join(REPO, "docs", "quickstart-two-node.md"))
+               if c[:3] == ["ray", "job", "submit"]]
+    assert submits and all(c[c.index("--address") + 1] == f"http://10.0.0.1:{port}" for c in submits)
+
+
+def test_image_installs_the_one_pinned_sglang():
+    """The Dockerfile reads the SGLang pin from rl/rollout/sglang_version.py, with its own
+    ``sed``, and names no version or extra of its own."""
+    import subprocess
+
+    from rl.rollout.sglang_version import SGLANG_VERSION
+
+    with open(os.path.join(REPO, "docker", "Dockerfile")) as f:
+        dockerfile = f.read()
+    m = re.search(r"v=\$\(sed -n '([^']*)' (rl/rollout/sglang_version\.py)\)", dockerfile)
+    assert m, "the Dockerfile no longer reads the pin with sed"
+    got = subprocess.run(["sed", "-n", m.group(1), m.group(2)], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert got == SGLANG_VERSION
+    commands = "\n".join(line for line in dockerfile.splitlines() if not line.lstrip().startswith("#"))
+    assert 'pip install "sglang==$v"' in commands
+    assert "sglang[" not in commands and SGLANG_VERSION not in commands
+
+
 def test_prepare_gsm8k(tmp_path):
     import subprocess
     import sys

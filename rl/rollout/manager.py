@@ -42,6 +42,7 @@ class RolloutManager:
         self.next_sample_id = 0
         self._lock = threading.Lock()  # data position and sample ids (the stream thread draws too)
         self._stream: Stream | None = None
+        self._shown_prompt = False
 
     # -- the step ----------------------------------------------------------------------
     def generate(self, step: int, stop: threading.Event | None = None) -> RolloutRef:
@@ -51,9 +52,13 @@ class RolloutManager:
         t0 = time.perf_counter()
         with self._lock:
             prompts = self.task.next_prompts(rc.prompts_per_step)
-        sampling = {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
-                    "top_p": rc.top_p, "top_k": rc.top_k}
-        prompt_ids = [self._encode(p.text) for p in prompts]
+        sampling = rc.sampling_params()
+        prompt_ids = [encode_prompt(self.tokenizer, p.text, self.cfg.model.chat_template)
+                      for p in prompts]
+        if not self._shown_prompt:  # what the engines really get, once a run (templates go wrong quietly)
+            self._shown_prompt = True
+            print(f"[rollout] first prompt as sent ({len(prompt_ids[0])} tokens): "
+                  f"{self.tokenizer.decode(prompt_ids[0])!r}", flush=True)
         too_long = [len(ids) for ids in prompt_ids if len(ids) > rc.max_prompt_tokens]
         if too_long:
             raise ValueError(f"{len(too_long)} prompt(s) of up to {max(too_long)} tokens exceed "
@@ -87,12 +92,6 @@ class RolloutManager:
                           num_loss_tokens=batch.num_loss_tokens, stats=stats,
                           first_sample_id=int(batch.sample_id[0]),
                           weight_versions=batch.weight_version.tolist())
-
-    def _encode(self, text: str) -> list[int]:
-        if self.cfg.model.chat_template:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _build_batch(self, prompts: list[Prompt], prompt_ids: list[list[int]],
                      answers: list[list[dict]]) -> RolloutBatch:
@@ -344,6 +343,20 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
             for group in tasks:
                 for t in group:
                     t.cancel()
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    """The token ids of one prompt, as a single user turn of the chat template if asked.
+
+    The template is rendered to text and then encoded without special tokens, which is what
+    ``apply_chat_template(tokenize=True)`` does inside (the template writes BOS and the like
+    itself) but with one return type on every transformers version: ``tokenize=True``
+    returns ``list[int]`` on transformers 4 and a ``BatchEncoding`` on 5, whose ``list()``
+    is its keys."""
+    if chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
