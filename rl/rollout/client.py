@@ -95,10 +95,10 @@ class EngineClient:
             return str(info["weight_version"])
         return str(self._request("GET", "/get_weight_version")["weight_version"])
 
-    def flush_cache(self, timeout_s: float | None = None) -> bool:
+    def flush_cache(self, timeout_s: float = 10.0) -> bool:
         """``POST /flush_cache``, retried while the engine refuses (HTTP 400: requests still
         running or queued) until ``timeout_s``; returns whether it flushed."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + min(timeout_s, self.timeout_s)
         while True:
             try:
                 self._request("POST", "/flush_cache")
@@ -146,12 +146,13 @@ class EngineClient:
     def end_weight_update(self) -> None:
         """Close the session, then flush the prefix cache the old weights filled (unless the
         engine is paused in place, where SGLang refuses any flush while requests sit in the
-        running batch). A flush still refused after ``timeout_s`` is reported, not fatal:
-        the weights are loaded; only cached prefixes may still hold old-weight KV."""
+        running batch). A flush still refused after 10 s (SGLang before 0.5.21 refuses it
+        while retracted requests wait) is reported, not fatal: the weights are loaded; only
+        cached prefixes may still hold old-weight KV."""
         if self._has_sessions:
             self._request("POST", "/end_weight_update", {})
         if self.flush_after_update and not self.flush_cache():
-            print(f"[weights] {self.name}: /flush_cache still refused after {self.timeout_s:.0f}s "
+            print(f"[weights] {self.name}: /flush_cache still refused after 10s "
                   f"(requests queued); cached prefixes may hold KV of the previous weights", flush=True)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
