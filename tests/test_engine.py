@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from rl.rollout.client import EngineClient
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.launcher import EngineProcess
 from transfer.weights.broadcast import BroadcastSync
+from transfer.weights.group import free_port, init_side_group
 
 
 @pytest.fixture(scope="module")
@@ -35,38 +37,171 @@ def _post(url, path, body):
     return r.status_code, r.json()
 
 
+def _post_raw(url, path, data: bytes):
+    r = requests.post(url + path, data=data, headers={"Content-Type": "application/json"},
+                      timeout=60)
+    return r.status_code, r.json()
+
+
+def _sglang_answer(ans: dict):
+    """The answer decoded with SGLang's own response type (raises on a contract violation)."""
+    from sglang.api.v1.api_types import GenerateResponse  # the pinned wheel, a test dependency
+
+    return GenerateResponse.from_json_value(ans)
+
+
+def _until(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
 def test_generate_answers_in_sglang_shape(server, tiny_path):
+    from sglang.api.v1.api_types import FinishLength, FinishStop
+
     tok = load_tokenizer(tiny_path)
     code, ans = _post(server, "/generate", {"input_ids": tok.encode("c:"), "return_logprob": True,
+                                            "rid": "req-1",
                                             "sampling_params": {"max_new_tokens": 5, "temperature": 1.0}})
     assert code == 200
     meta = ans["meta_info"]
     assert 1 <= len(ans["output_ids"]) <= 5
     assert meta["completion_tokens"] == len(ans["output_ids"]) and meta["prompt_tokens"] == 2
+    assert meta["id"] == "req-1" and meta["cached_tokens"] == 0 and meta["e2e_latency"] > 0
+    assert meta["weight_version"] == requests.get(server + "/model_info", timeout=5).json()["weight_version"]
     assert [x[1] for x in meta["output_token_logprobs"]] == ans["output_ids"]
+    assert all(x[2] is None for x in meta["output_token_logprobs"])
     assert meta["finish_reason"]["type"] in ("stop", "length")
     assert ans["text"] == tok.decode(ans["output_ids"], skip_special_tokens=True)
-    # text input, batched
-    code, answers = _post(server, "/generate", {"text": ["a:", "b:"],
+    decoded = _sglang_answer(ans)
+    assert decoded.output_ids == ans["output_ids"] and decoded.meta_info.id == "req-1"
+    assert [e.token_id for e in decoded.meta_info.output_token_logprobs] == ans["output_ids"]
+    assert isinstance(decoded.meta_info.finish_reason, (FinishStop, FinishLength))
+    # text input, batched; log-probs with their token text
+    code, answers = _post(server, "/generate", {"text": ["a:", "b:"], "rid": "batch",
+                                                "return_logprob": [False, True],
+                                                "return_text_in_logprobs": True,
                                                 "sampling_params": {"max_new_tokens": 3}})
     assert code == 200 and isinstance(answers, list) and len(answers) == 2
+    assert [a["meta_info"]["id"] for a in answers] == ["batch_0", "batch_1"]
     assert "output_token_logprobs" not in answers[0]["meta_info"]
+    assert [x[2] for x in answers[1]["meta_info"]["output_token_logprobs"]] == \
+        [tok.decode([t]) for t in answers[1]["output_ids"]]
+    for a in answers:
+        _sglang_answer(a)
 
 
-def test_bad_generate_requests_are_400(server):
-    for body in ({"input_ids": [5], "sampling_params": {"max_tokens": 3}},
-                 {"input_ids": [5], "text": "a"}, {"input_ids": [5], "stream": True},
-                 {"input_ids": []}):
-        code, ans = _post(server, "/generate", body)
-        assert code == 400 and ans["error"]["message"]
+BAD_GENERATE = [
+    (b"{not json", "not valid JSON"),
+    (b"[" * 100_000, "not valid JSON"),
+    (b'{"input_ids": [5], "text": "\xff"}', "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"", "no body"),
+    (b'"hello"', "must be a JSON object"),
+    ({"input_ids": "abc"}, "input_ids: invalid type"),
+    ({"input_ids": [1.5]}, "input_ids[0]: invalid type: floating point `1.5`"),
+    ({"input_ids": [5, -1]}, "input_ids holds token ids outside the vocabulary [0, 49): [-1]"),
+    ({"input_ids": [[5], [6, 49]]}, "input_ids[1] holds token ids outside the vocabulary"),
+    ({"input_ids": [[5], []]}, "input_ids[1] cannot be empty"),
+    ({"input_ids": []}, "input_ids cannot be empty"),
+    ({"text": ""}, "text cannot be empty"),
+    ({"text": []}, "text: an empty batch"),
+    ({"text": 5}, "text: invalid type: integer `5`"),
+    ({"input_ids": [5], "text": "a"}, "exactly one of 'input_ids' and 'text'"),
+    ({"rid": "x"}, "exactly one of 'input_ids' and 'text'"),
+    ({"input_ids": [5], "sampling_params": {"max_tokens": 3}}, "unknown field `max_tokens`"),
+    ({"input_ids": [5], "sampling_params": "hot"}, "sampling_params: invalid type"),
+    ({"input_ids": [[5], [6]], "sampling_params": [{}]}, "sampling_params: 1 entries for 2 prompts"),
+    ({"input_ids": [[5], [6]], "sampling_params": [{"n": 2}, {}]}, "parallel_sample_num"),
+    ({"input_ids": [5], "sampling_params": {"temperature": -1}}, "temperature must be"),
+    ({"input_ids": [5], "sampling_params": {"logit_bias": {"99": 1}}}, "logit_bias must has keys"),
+    ({"input_ids": [5], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ({"input_ids": [5], "return_logprob": "yes"}, "return_logprob: invalid type"),
+    ({"input_ids": [[5], [6]], "return_logprob": [True]}, "return_logprob: 1 entries for 2"),
+    ({"input_ids": [5] * 120, "sampling_params": {"max_new_tokens": 16}},
+     "maximum context length of 128 tokens"),
+    ({"input_ids": [5] * 128}, "longer than the model's context length (128 tokens)"),
+    ({"input_ids": [5], "rid": 7}, "rid: invalid type"),
+    ({"input_ids": [[5], [6]], "rid": ["a"]}, "rids length mismatch"),
+    ({"input_ids": [5], "priority": "high"}, "priority: invalid type"),
+]
+
+
+def test_bad_input_is_400_naming_the_problem_and_the_engine_stays_healthy(server):
+    for body, names in BAD_GENERATE:
+        code, ans = (_post_raw(server, "/generate", body) if isinstance(body, bytes)
+                     else _post(server, "/generate", body))
+        assert code == 400 and names in ans["error"]["message"], (body, ans)
+    for path, body, names in [
+        ("/update_weights_from_distributed", b"[]", "must be a JSON object"),
+        ("/init_weights_update_group", b"{}", "missing field `master_address`"),
+        ("/init_weights_update_group", b'{"master_address": 1, "master_port": 1, "rank_offset": 1,'
+                                       b' "world_size": 2}', "master_address: invalid type"),
+        ("/pause_generation", b"{", "not valid JSON"),
+        ("/pause_generation", b'{"mode": 3}', "mode: invalid type"),
+        ("/get_weights_by_name", b'{"name": "nope"}', "no parameter 'nope'"),
+        ("/update_weights_from_distributed", b'{"names": ["a"], "dtypes": ["float32"], '
+                                             b'"shapes": [["x"]]}', "shapes[0][0]: invalid type"),
+    ]:
+        code, ans = _post_raw(server, path, body)
+        assert code == 400 and names in ans["error"]["message"], (path, ans)
+    r = requests.get(server + "/flush_cache?timeout=abc", timeout=5)
+    assert r.status_code == 400 and "timeout" in r.json()["error"]["message"]
+    assert requests.get(server + "/health_generate", timeout=30).status_code == 200
+    code, ans = _post(server, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+    assert code == 200 and ans["meta_info"]["completion_tokens"] >= 1
 
 
 def test_info_endpoints(server, tiny_path):
     assert requests.get(server + "/health", timeout=5).status_code == 200
     assert requests.get(server + "/health_generate", timeout=30).status_code == 200
-    info = requests.get(server + "/get_model_info", timeout=5).json()
+    info = requests.get(server + "/model_info", timeout=5).json()
     assert info["model_path"] == tiny_path and info["is_generation"]
-    assert requests.post(server + "/flush_cache", timeout=5).status_code == 200
+    assert info["weight_version"] == "default" and info["architectures"] == ["Qwen2ForCausalLM"]
+    assert requests.get(server + "/get_model_info", timeout=5).json() == info  # deprecated alias
+    server_info = requests.get(server + "/server_info", timeout=5).json()
+    assert server_info["model_path"] == tiny_path and server_info["context_length"] == 128
+    assert requests.get(server + "/get_server_info", timeout=5).json() == server_info
+    assert requests.get(server + "/get_weight_version", timeout=5).status_code == 404  # gone in 0.5.21
+
+
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
+
+
+def test_flush_cache_is_refused_while_requests_run_or_wait(server):
+    """SGLang's rule, ``is_fully_idle(ignore_waiting=paused)``: refused while a request runs
+    or waits; paused in ``retract`` mode waiting requests do not count, paused ``in_place``
+    they do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = EngineClient(server, "engine-0")
+    for method in ("GET", "POST"):
+        r = requests.request(method, server + "/flush_cache", timeout=5)
+        assert (r.status_code, r.text) == (200, FLUSHED)
+    flush = lambda: requests.post(server + "/flush_cache", timeout=5)  # noqa: E731
+    long = {"input_ids": [[5, 6]] * 32, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+    short = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(_post, server, "/generate", long)
+        refusals: list[str] = []
+        _until(lambda: (r := flush()).status_code == 400 and not refusals.append(r.text))
+        assert refusals == ["Flush cache failed.\n"]  # while it runs
+        r = requests.post(server + "/flush_cache?timeout=60", timeout=70)  # waits for idle
+        assert (r.status_code, r.text) == (200, FLUSHED)
+        assert running.result(timeout=60)[0] == 200
+        try:
+            client.pause_generation("in_place")
+            held = pool.submit(_post, server, "/generate", short)
+            _until(lambda: flush().status_code == 400)  # in place: the held request counts
+            client.pause_generation("retract")
+            assert (flush().status_code, flush().text) == (200, FLUSHED)  # retract: it does not
+            assert not held.done()
+        finally:
+            client.continue_generation()
+        assert held.result(timeout=30)[0] == 200
+    assert flush().status_code == 200
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
@@ -104,14 +239,16 @@ def test_pause_holds_requests_and_continue_answers_them(server):
     body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
     code, ans = _post(server, "/pause_generation", {"mode": "abort"})
     assert code == 400 and "retract" in ans["error"]["message"]
-    client.pause_generation()
+    assert _post(server, "/pause_generation", {"mode": "retract"}) == (
+        200, {"message": "Generation paused successfully.", "status": "ok"})
     try:
         with ThreadPoolExecutor(2) as pool:
             held = [pool.submit(_post, server, "/generate", body) for _ in range(2)]
             time.sleep(1.5)
             assert not any(f.done() for f in held)  # held, not failed
             assert client.health()  # the control plane still answers while paused
-            client.continue_generation()
+            assert _post(server, "/continue_generation", {}) == (
+                200, {"message": "Generation continued successfully.", "status": "ok"})
             assert all(f.result(timeout=30)[0] == 200 for f in held)
     finally:
         client.continue_generation()
@@ -140,6 +277,13 @@ def test_broadcast_weight_update_is_bit_exact(server, tiny_path):
                          backend="gloo", timeout_s=60)
     sync.connect([client])
     try:
+        # outside a session the engine refuses at once, without joining the broadcast ...
+        name = "model.norm.weight"
+        code, ans = _post(server, "/update_weights_from_distributed", {
+            "names": [name], "dtypes": ["float32"], "shapes": [[64]],
+            "group_name": sync.group_name, "weight_version": "x"})
+        assert (code, ans) == (400, {"success": False, "message": OUTSIDE_SESSION})
+        # ... so the group stays in step for the real push
         metrics = sync.push(new.items(), version=7)
         assert metrics["weights/bytes"] == sum(t.numel() * 4 for t in new.values())
         assert client.get_weight_version() == "7"
@@ -151,6 +295,97 @@ def test_broadcast_weight_update_is_bit_exact(server, tiny_path):
     # the group is gone on both sides: a second connect works
     sync.connect([client])
     sync.close()
+
+
+OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() "
+                   "and end_weight_update()")
+
+
+def test_weight_update_sessions_follow_sglang(server):
+    update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+              "group_name": "nobody"}
+    ok = (200, {"success": True, "message": "Success"})
+    assert _post(server, "/update_weights_from_distributed", update) == \
+        (400, {"success": False, "message": OUTSIDE_SESSION})
+    assert _post(server, "/end_weight_update", {}) == (400, {
+        "success": False, "message": "no weight-update session is open; call begin_weight_update() first"})
+    assert _post(server, "/begin_weight_update", {}) == ok
+    try:
+        assert _post(server, "/begin_weight_update", {}) == (400, {
+            "success": False,
+            "message": "a weight-update session is already open; call end_weight_update() first"})
+        code, ans = _post(server, "/update_weights_from_distributed", update)  # no such group
+        assert code == 400 and not ans["success"] and "Group nobody not in" in ans["message"]
+    finally:
+        assert _post(server, "/end_weight_update", {}) == ok
+    assert _post(server, "/end_weight_update", {})[0] == 400
+
+
+@contextmanager
+def _side_group(server, name: str = "test-group"):
+    """This process as rank 0 of a weight-update group with the engine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(_post, server, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": name, "backend": "gloo"})
+        group = init_side_group(backend="gloo", master_address="127.0.0.1", master_port=port,
+                                rank=0, world_size=2, group_name=name, timeout_s=30)
+        assert joined.result(timeout=30) == (200, {
+            "success": True, "message": "Succeeded to initialize custom process group."})
+    try:
+        yield group
+    finally:
+        assert _post(server, "/destroy_weights_update_group", {"group_name": name})[0] == 200
+        group.destroy()
+
+
+def _push(server, group, name: str, tensor: torch.Tensor, version: str, flush: bool):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_post, server, "/update_weights_from_distributed", {
+            "names": [name], "dtypes": ["float32"], "shapes": [list(tensor.shape)],
+            "group_name": group.name, "weight_version": version, "flush_cache": flush})
+        group.broadcast(tensor, src=0)
+        return answer.result(timeout=30)
+
+
+def test_update_flushes_unless_requests_are_in_flight(server):
+    """Inside a session the weights load and the version is recorded; then, with
+    ``flush_cache``, a refused flush (paused in place with a request held) fails the call
+    with SGLang's message, while paused ``retract`` it succeeds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = EngineClient(server, "engine-0")
+    name = "model.norm.weight"
+    old = torch.tensor(client.get_weights_by_name(name), dtype=torch.float32)
+    new = torch.full((64,), 0.5)
+    with _side_group(server) as group, ThreadPoolExecutor(1) as pool:
+        assert _post(server, "/begin_weight_update", {})[0] == 200
+        try:
+            client.pause_generation("in_place")
+            held = pool.submit(_post, server, "/generate",
+                               {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
+            _until(lambda: requests.post(server + "/flush_cache", timeout=5).status_code == 400)
+            assert _push(server, group, name, new, "in-place", flush=True) == (400, {
+                "success": False, "message": (
+                    "Weights were updated, but the cache was not flushed because requests are "
+                    "still running or queued. Retract or finish them, then call /flush_cache.")})
+            assert client.get_weights_by_name(name) == new.tolist()  # loaded all the same
+            assert client.get_weight_version() == "in-place"
+            assert _push(server, group, name, new, "no-flush", flush=False)[0] == 200
+            client.pause_generation("retract")
+            assert _push(server, group, name, old, "retract", flush=True) == (200, {
+                "success": True, "message": "Succeeded to update parameter online."})
+            assert client.get_weights_by_name(name) == old.tolist()
+            assert client.get_weight_version() == "retract"
+        finally:
+            client.continue_generation()
+            _post(server, "/end_weight_update", {})
+        assert held.result(timeout=30)[0] == 200
 
 
 def test_update_with_unknown_name_fails_and_names_it(server, tiny_path):

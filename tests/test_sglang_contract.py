@@ -188,3 +188,68 @@ def test_release_refuses_what_the_validation_refuses():
     with pytest.raises(JsonContractError, match="max_tokens"):
         GenerateRequest.from_json_value({"input_ids": [1], "sampling_params": {"max_tokens": 3}})
     assert "/get_weight_version" not in sgl.routes()  # removed in 0.5.21
+
+
+# -- the CPU engine against the release's /generate schema ------------------------------------
+# A valid, non-default value for every field of the release's SamplingParams.
+SAMPLING_VALUES = {
+    "max_new_tokens": 3, "stop": ["zz"], "stop_token_ids": [7], "stop_regex": "z+",
+    "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "frequency_penalty": 0.5,
+    "presence_penalty": 0.5, "repetition_penalty": 1.2, "min_new_tokens": 1, "n": 2,
+    "json_schema": '{"type": "string"}', "regex": "a+", "ebnf": 'root ::= "a"',
+    "structural_tag": "{}", "ignore_eos": True, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False, "no_stop_trim": True, "stream_interval": 2,
+    "logit_bias": {"5": 1.5}, "sampling_seed": 3, "custom_params": {"x": 1}, "beam_width": 2,
+    "watermark": {"enabled": True}, "choice": ["a", "b"],
+}
+# Constrained decoding and beam search: refused by name (the CPU engine has no grammar engine).
+REFUSED = {"stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params",
+           "beam_width", "watermark", "choice"}
+
+
+def test_cpu_engine_takes_every_sampling_field_of_the_release(engine):
+    import msgspec
+    from sglang.api.v1.api_types import GenerateRequest, GenerateResponse, SamplingParams
+
+    fields = {f.name for f in msgspec.structs.fields(SamplingParams)}
+    assert fields == set(SAMPLING_VALUES), "the pinned release changed SamplingParams: update both"
+    for name, value in SAMPLING_VALUES.items():
+        body = {"input_ids": [5, 6, 7], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 3, name: value}}
+        GenerateRequest.from_json_value(body)  # the release takes it
+        r = requests.post(engine + "/generate", json=body, timeout=60)
+        if name in REFUSED:
+            assert r.status_code == 400 and name in r.json()["error"]["message"], (name, r.text)
+            continue
+        assert r.status_code == 200, (name, r.text)
+        answers = r.json() if isinstance(r.json(), list) else [r.json()]
+        assert len(answers) == (2 if name == "n" else 1), name
+        for a in answers:
+            GenerateResponse.from_json_value(a)
+    # an unknown key: the release's gate refuses it, and so does the engine, by name
+    r = requests.post(engine + "/generate", json={"input_ids": [5], "sampling_params": {"max_tokens": 3}},
+                      timeout=60)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert requests.get(engine + "/health_generate", timeout=60).status_code == 200
+
+
+def test_cpu_engine_answers_in_the_release_schema(engine):
+    from sglang.api.v1.api_types import GenerateResponse
+
+    bodies = [{"input_ids": [5, 6], "return_logprob": True, "sampling_params": {"max_new_tokens": 4}},
+              {"input_ids": [[5, 6], [7]], "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 2, "n": 2}},
+              {"text": "ab:", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}]
+    for body in bodies:
+        r = requests.post(engine + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        answers = r.json() if isinstance(r.json(), list) else [r.json()]
+        for a in answers:
+            resp = GenerateResponse.from_json_value(a)
+            meta = resp.meta_info
+            assert resp.output_ids and meta.completion_tokens == len(resp.output_ids)
+            assert meta.finish_reason is not None and meta.weight_version is not None
+            if body.get("return_logprob"):
+                assert [e.token_id for e in meta.output_token_logprobs] == list(resp.output_ids)
+                assert all(e.logprob is not None and e.logprob <= 0 for e in meta.output_token_logprobs)
+    assert len(requests.post(engine + "/generate", json=bodies[1], timeout=60).json()) == 4

@@ -1,32 +1,29 @@
 """The CPU engine's core: batched sampling with log-probs and in-place weight updates.
 
-No HTTP here (see ``hf_server``), so it is testable directly. Semantics follow SGLang:
-the returned log-prob of a token is its log-probability under the temperature-scaled
-distribution (before top-p/top-k filtering); with temperature 0 (greedy) it is the
-unscaled log-probability. Generation stops at the first end-of-sequence token, which is
-returned as the last output id.
+No HTTP here (see ``hf_server``), so it is testable directly. Sampling and stopping follow
+SGLang 0.5.23 (``sampling`` holds the parameters and the sampler): a sequence ends at the
+first stop string found in its decoded tail, else at a stop token (EOS or
+``stop_token_ids``, none with ``ignore_eos``), which is returned as the last output id,
+else at ``max_new_tokens``. Weight updates follow SGLang's session rules
+(``scheduler_components/weight_updater.py``): ``update_weights_from_distributed`` runs only
+between ``begin_weight_update`` and ``end_weight_update``, and refuses before receiving.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from rl.rollout.engines.sampling import BatchSampler, GenRequest
 from transfer.weights.group import SideGroup, init_side_group
 
+__all__ = ["GenRequest", "GenResult", "HFEngine"]
 
-@dataclass
-class GenRequest:
-    input_ids: list[int]
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() "
+                   "and end_weight_update()")
 
 
 @dataclass
@@ -35,6 +32,8 @@ class GenResult:
     logprobs: list[float]
     finish_reason: dict
     weight_version: str
+    text: str = ""
+    """The decoded output, trimmed at the matched stop as SGLang's detokenizer does."""
 
 
 class HFEngine:
@@ -48,7 +47,13 @@ class HFEngine:
         self.weight_version = weight_version
         self.lock = threading.Lock()  # a batch and a weight update never overlap
         self.groups: dict[str, SideGroup] = {}
+        self.session: dict | None = None  # the open weight-update session, if any
+        self._session_lock = threading.Lock()
         self.params = dict(model.named_parameters())
+        config = model.config
+        self.vocab_size = int(getattr(config, "vocab_size", None)
+                              or model.get_input_embeddings().num_embeddings)
+        self.context_len: int | None = getattr(config, "max_position_embeddings", None)
         # transformers 5 renamed `past_key_values` to `cache`; 4.x (GPU images) has the old name.
         self._cache_arg = ("cache" if "cache" in inspect.signature(model.forward).parameters
                            else "past_key_values")
@@ -62,6 +67,13 @@ class HFEngine:
 
     def _generate(self, reqs: list[GenRequest]) -> list[GenResult]:
         dev, B = self.device, len(reqs)
+        limits = [r.max_new_tokens for r in reqs]
+        out_ids: list[list[int]] = [[] for _ in reqs]
+        out_lp: list[list[float]] = [[] for _ in reqs]
+        reasons: list[dict | None] = [{"type": "length", "length": 0} if n <= 0 else None
+                                      for n in limits]
+        if all(r is not None for r in reasons):  # max_new_tokens=0 everywhere: nothing to run
+            return [self._result(r, [], [], {"type": "length", "length": 0}) for r in reqs]
         width = max(len(r.input_ids) for r in reqs)
         ids = torch.full((B, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, width), dtype=torch.long)
@@ -70,27 +82,22 @@ class HFEngine:
             attn[i, width - len(r.input_ids):] = 1
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=dev)
-        stops = [set(r.stop_token_ids) | (set() if r.ignore_eos else set(self.eos_ids)) for r in reqs]
-        limits = [r.max_new_tokens for r in reqs]
+        stops = [set() if r.ignore_eos else set(r.stop_token_ids) | set(self.eos_ids) for r in reqs]
+        tails = [self._tail_len(r.stop) for r in reqs]
 
-        out_ids: list[list[int]] = [[] for _ in reqs]
-        out_lp: list[list[float]] = [[] for _ in reqs]
-        reasons: list[dict | None] = [None] * B
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
         cache = _cache_of(out)
-        for step in range(max(limits)):
-            tok, logp = self._sample(out.logits[:, -1, :], temps, reqs)
+        sampler = BatchSampler(reqs, self.eos_ids, out.logits.shape[-1], dev, self.generator)
+        for _ in range(max(limits)):
+            tok, logp = sampler.sample(out.logits[:, -1, :])
+            sampler.record(tok)
             tok_l, logp_l = tok.tolist(), logp.tolist()
             for i in range(B):
                 if reasons[i] is not None:
                     continue
                 out_ids[i].append(tok_l[i])
                 out_lp[i].append(logp_l[i])
-                if tok_l[i] in stops[i]:
-                    reasons[i] = {"type": "stop", "matched": tok_l[i]}
-                elif len(out_ids[i]) >= limits[i]:
-                    reasons[i] = {"type": "length", "length": limits[i]}
+                reasons[i] = self._finished(reqs[i], out_ids[i], stops[i], tails[i])
             if all(r is not None for r in reasons):
                 break
             attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
@@ -98,58 +105,112 @@ class HFEngine:
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                              use_cache=True, **{self._cache_arg: cache})
             cache = _cache_of(out)
-        return [GenResult(out_ids[i], out_lp[i], reasons[i], self.weight_version) for i in range(B)]
+        return [self._result(reqs[i], out_ids[i], out_lp[i], reasons[i]) for i in range(B)]
 
-    def _sample(self, logits_bv: torch.Tensor, temps_b: torch.Tensor,
-                reqs: list[GenRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_bv = logits_bv.float()
-        greedy_b = temps_b == 0
-        scaled_bv = logits_bv / torch.where(greedy_b, 1.0, temps_b)[:, None]
-        logp_bv = torch.log_softmax(scaled_bv, dim=-1)
-        filtered_bv = _top_k_top_p(scaled_bv, [r.top_k for r in reqs], [r.top_p for r in reqs])
-        probs_bv = torch.softmax(filtered_bv, dim=-1)
-        tok_b = torch.multinomial(probs_bv, 1, generator=self.generator).squeeze(1)
-        tok_b = torch.where(greedy_b, logits_bv.argmax(-1), tok_b)
-        return tok_b, logp_bv.gather(1, tok_b[:, None]).squeeze(1)
+    def _tail_len(self, stop: list[str]) -> int:
+        """Tokens to decode to find any of ``stop`` (SGLang: the longest, in tokens, plus 1)."""
+        return max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stop),
+                   default=0) + 1
 
-    # -- weight updates (SGLang's init_weights_update_group / update_weights_from_distributed)
+    def _finished(self, req: GenRequest, ids: list[int], stops: set[int], tail: int) -> dict | None:
+        """SGLang's ``Req.update_finish_state`` order: stop string, stop token, length."""
+        if req.stop:
+            text = self.tokenizer.decode(ids[-tail:])
+            for s in req.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if ids[-1] in stops:
+            return {"type": "stop", "matched": ids[-1]}
+        if len(ids) >= req.max_new_tokens:
+            return {"type": "length", "length": req.max_new_tokens}
+        return None
+
+    def _result(self, req: GenRequest, ids: list[int], logprobs: list[float],
+                reason: dict) -> GenResult:
+        """The answer, with text as SGLang's detokenizer makes it: a matched stop token is
+        left out of the text, and the text ends before a matched stop string, unless
+        ``no_stop_trim``."""
+        matched = reason.get("matched")
+        text_ids = ids[:-1] if isinstance(matched, int) and not req.no_stop_trim else ids
+        text = self.tokenizer.decode(
+            text_ids, skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens)
+        if isinstance(matched, str) and (pos := text.find(matched)) != -1:
+            text = text[:pos + len(matched)] if req.no_stop_trim else text[:pos]
+        return GenResult(ids, logprobs, reason, self.weight_version, text)
+
+    # -- weight updates (SGLang's init_weights_update_group, begin_weight_update,
+    #    update_weights_from_distributed, end_weight_update, destroy_weights_update_group)
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str,
                                   timeout_s: float = 120.0) -> None:
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
-        self.groups[group_name] = init_side_group(
-            backend=backend, master_address=master_address, master_port=master_port,
-            rank=rank_offset, world_size=world_size, group_name=group_name, timeout_s=timeout_s)
+        try:
+            self.groups[group_name] = init_side_group(
+                backend=backend, master_address=master_address, master_port=master_port,
+                rank=rank_offset, world_size=world_size, group_name=group_name,
+                timeout_s=timeout_s)
+        except (RuntimeError, ValueError, OSError) as e:  # SGLang's answer names the cause
+            raise ValueError(f"Failed to initialize custom process group: {e}.") from e
+
+    def begin_weight_update(self) -> None:
+        with self._session_lock:
+            if self.session is not None:
+                raise ValueError("a weight-update session is already open; "
+                                 "call end_weight_update() first")
+            self.session = {"loaded_weights": False}
+
+    def end_weight_update(self) -> None:
+        with self._session_lock:
+            if self.session is None:
+                raise ValueError("no weight-update session is open; "
+                                 "call begin_weight_update() first")
+            self.session = None
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]], group_name: str,
                                         weight_version: str | None = None,
                                         src: int = 0) -> None:
+        """Receive one bucket (a broadcast per tensor, in order) and load it. Refused
+        outside a session, or for a bucket it cannot receive, before any broadcast is
+        joined, so the sender sees the refusal instead of waiting on the group."""
+        if self.session is None:
+            raise ValueError(OUTSIDE_SESSION)
         group = self.groups.get(group_name)
         if group is None:
-            raise ValueError(f"no weight update group {group_name!r}; call init_weights_update_group")
+            raise ValueError(f"Failed to receive weights: Group {group_name} not in "
+                             f"{list(self.groups)}. Please call `init_weights_update_group` first.")
         if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError("names, dtypes and shapes differ in length")
+            raise ValueError("Failed to receive weights: names, dtypes and shapes differ in length")
+        bad = [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if bad:
+            raise ValueError(f"Failed to receive weights: unknown dtypes {bad[:5]}")
         unknown = []
         with self.lock:
-            for name, dtype, shape in zip(names, dtypes, shapes):
-                buf = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                group.broadcast(buf, src=src)  # receive every tensor, even unknown ones,
-                param = self.params.get(name)  # so the group stays in step with the sender
-                if param is None or tuple(param.shape) != tuple(shape):
-                    unknown.append(name)
-                    continue
-                param.data.copy_(buf)
+            try:
+                for name, dtype, shape in zip(names, dtypes, shapes):
+                    buf = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                    group.broadcast(buf, src=src)  # receive every tensor, even unknown ones,
+                    param = self.params.get(name)  # so the group stays in step with the sender
+                    if param is None or tuple(param.shape) != tuple(shape):
+                        unknown.append(name)
+                        continue
+                    param.data.copy_(buf)
+            except RuntimeError as e:  # the sender left the group or timed out
+                raise ValueError(f"Failed to receive weights: {e}") from e
             if unknown:
-                raise ValueError(f"parameters not in this model or of another shape: {unknown[:5]}")
+                raise ValueError(f"Failed to update parameter online: parameters not in this "
+                                 f"model or of another shape: {unknown[:5]}")
+            if self.session is not None:
+                self.session["loaded_weights"] = True
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
         if group is None:
-            raise ValueError(f"no weight update group {group_name!r}")
+            raise ValueError("The group to be destroyed does not exist.")
         group.destroy()
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
@@ -163,17 +224,3 @@ class HFEngine:
 def _cache_of(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
-
-
-def _top_k_top_p(logits_bv: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits_bv
-    sorted_bv, idx_bv = logits_bv.sort(dim=-1, descending=True)
-    ranks_v = torch.arange(logits_bv.shape[-1], device=logits_bv.device)
-    k_b = torch.tensor([k if k > 0 else logits_bv.shape[-1] for k in top_k], device=logits_bv.device)
-    p_b = torch.tensor(top_p, device=logits_bv.device, dtype=torch.float32)
-    probs_bv = sorted_bv.softmax(-1)
-    mass_before_bv = probs_bv.cumsum(-1) - probs_bv  # keep a token while the mass before it < p
-    drop_bv = (ranks_v[None, :] >= k_b[:, None]) | (mass_before_bv >= p_b[:, None])
-    sorted_bv = sorted_bv.masked_fill(drop_bv, float("-inf"))
-    return torch.full_like(logits_bv, float("-inf")).scatter(-1, idx_bv, sorted_bv)

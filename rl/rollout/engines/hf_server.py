@@ -1,33 +1,42 @@
-"""The CPU engine as an HTTP server speaking SGLang's protocol subset.
+"""The CPU engine as an HTTP server speaking SGLang 0.5.23's protocol for what it serves.
 
     python -m rl.rollout.engines.hf_server --model-path DIR --port 30000
 
-Endpoints (same paths, fields and answers as SGLang): ``/generate`` (``input_ids`` or
-``text``, single or batched; ``sampling_params``; ``return_logprob``), ``/health``,
-``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/flush_cache``,
-``/get_weight_version``, ``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``, ``/get_weights_by_name``, ``/pause_generation``,
-``/continue_generation``. Concurrent requests are queued and decoded together in batches.
+Routes as in SGLang's ``srt/entrypoints/http_server.py``, with the same fields and answers:
+``/generate`` (see ``protocol``), ``/health``, ``/health_generate``, ``/model_info`` (and its
+deprecated alias ``/get_model_info``), ``/server_info`` (``/get_server_info``), ``/flush_cache``,
+``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
+``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``,
+``/destroy_weights_update_group``, ``/get_weights_by_name``. Bad input is a 400 naming the
+problem (``{"error": {"message": ...}}``), never a crash. Concurrent requests are queued and
+decoded together in batches.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import queue
 import threading
 import time
-import uuid
+import traceback
 
 from aiohttp import web
 
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
+from rl.rollout.engines.protocol import answer, parse_generate
+from rl.rollout.engines.sampling import RequestError, as_bool, as_int, as_list, as_str
 
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-                  "ignore_eos", "skip_special_tokens", "n", "sampling_seed"}
-
-PAUSE_MODES = {"retract", "in_place"}  # both: the running batch finishes, queued ones wait
+# Both modes let the running batch finish and hold queued requests; they differ in what
+# /flush_cache counts as busy (SGLang: `is_fully_idle(ignore_waiting=paused)`, where
+# `retract` has moved every running request back to the waiting queue).
+PAUSE_MODES = {"retract", "in_place"}
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are "
+                 "still running or queued. Retract or finish them, then call /flush_cache.")
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+           "or waiting requests, the operation will not be performed.)\n")
 
 
 class BatchScheduler:
@@ -39,32 +48,45 @@ class BatchScheduler:
         self.batch_wait_s = batch_wait_s
         self.queue: queue.Queue = queue.Queue()
         self._state = threading.Condition()
-        self._paused = False
-        self._busy = False  # a batch is on the model now
+        self.paused_mode: str | None = None  # the pause mode while paused
+        self._waiting = 0  # requests submitted and not yet on the model
+        self._running = 0  # requests in the batch on the model now
         self.thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         self.thread.start()
 
     async def submit(self, reqs: list[GenRequest]):
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in reqs]
+        with self._state:
+            self._waiting += len(reqs)
         for r, f in zip(reqs, futures):
             self.queue.put((r, f, loop))
         return await asyncio.gather(*futures)
 
-    def pause(self) -> None:
+    def pause(self, mode: str) -> None:
         """Hold new batches and return once the running one (if any) has finished: no
         forward pass runs until ``resume``, so weights can be swapped safely. A batch runs
         to completion here, so each answer comes from one weight version; SGLang instead
-        retracts running requests and finishes them under the new weights."""
+        retracts running requests (or freezes them in place) and finishes them later."""
         with self._state:
-            self._paused = True
-            while self._busy:
+            self.paused_mode = mode
+            while self._running:
                 self._state.wait()
 
     def resume(self) -> None:
         with self._state:
-            self._paused = False
+            self.paused_mode = None
             self._state.notify_all()
+
+    def idle(self) -> bool:
+        """SGLang's ``is_fully_idle(ignore_waiting=paused)`` as it decides a flush: nothing
+        running, and nothing queued unless paused in ``retract`` mode (whose queue is what
+        it retracted). Paused ``in_place``, SGLang keeps every request in its running
+        batch, so any request here counts as running."""
+        with self._state:
+            if self._running:
+                return False
+            return self.paused_mode == "retract" or self._waiting == 0
 
     def _loop(self) -> None:
         while True:
@@ -78,9 +100,10 @@ class BatchScheduler:
                 except queue.Empty:
                     break
             with self._state:
-                while self._paused:  # hold queued requests until continue_generation
+                while self.paused_mode is not None:  # hold queued requests until continue
                     self._state.wait()
-                self._busy = True
+                self._waiting -= len(items)
+                self._running = len(items)
             try:
                 results = self.engine.generate([r for r, _, _ in items])
             except Exception as e:  # the batch fails, the server lives on
@@ -89,7 +112,7 @@ class BatchScheduler:
                 continue
             finally:
                 with self._state:
-                    self._busy = False
+                    self._running = 0
                     self._state.notify_all()
             for (_, fut, loop), res in zip(items, results):
                 loop.call_soon_threadsafe(_set_result, fut, res)
@@ -109,153 +132,226 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def _parse_generate(body: dict, tokenizer) -> tuple[list[GenRequest], bool, bool]:
-    """-> (requests, batched, return_logprob). Raises ValueError on bad input."""
-    if body.get("stream"):
-        raise ValueError("stream=true is not supported by the CPU engine")
-    if ("input_ids" in body) == ("text" in body):
-        raise ValueError("give exactly one of 'input_ids' and 'text'")
-    if "input_ids" in body:
-        ids = body["input_ids"]
-        batched = bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batched else [ids]
-    else:
-        text = body["text"]
-        batched = isinstance(text, list)
-        prompts = [tokenizer.encode(t) for t in (text if batched else [text])]
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("empty prompt")
-    sp = body.get("sampling_params") or {}
-    sps = sp if isinstance(sp, list) else [sp] * len(prompts)
-    if len(sps) != len(prompts):
-        raise ValueError("sampling_params list and prompts differ in length")
-    reqs = []
-    for p, s in zip(prompts, sps):
-        unknown = set(s) - _SAMPLING_KEYS
-        if unknown:
-            raise ValueError(f"unsupported sampling_params {sorted(unknown)}")
-        if s.get("n", 1) != 1:
-            raise ValueError("sampling_params.n must be 1 (send one request per sample)")
-        reqs.append(GenRequest(
-            input_ids=[int(t) for t in p], max_new_tokens=int(s.get("max_new_tokens", 128)),
-            temperature=float(s.get("temperature", 1.0)), top_p=float(s.get("top_p", 1.0)),
-            top_k=int(s.get("top_k", -1)), stop_token_ids=list(s.get("stop_token_ids") or []),
-            ignore_eos=bool(s.get("ignore_eos", False))))
-        if reqs[-1].max_new_tokens <= 0:
-            raise ValueError("max_new_tokens must be > 0")
-    return reqs, batched, bool(body.get("return_logprob", False))
+def _outcome(success: bool, message: str) -> web.Response:
+    """The ``{"success", "message"}`` answer of SGLang's control routes."""
+    return web.json_response({"success": success, "message": message},
+                             status=200 if success else 400)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Bad input is a 400 that names the problem; anything else is a 500 with its message,
+    and the server keeps serving."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return _error(400, str(e))
+    except web.HTTPException:
+        raise
+    except Exception as e:
+        traceback.print_exc()  # into the engine's log
+        return _error(500, f"{type(e).__name__}: {e}")
+
+
+async def _body(request: web.Request, *, empty_ok: bool = True) -> dict:
+    """The JSON object the request carries (``{}`` for none, when ``empty_ok``)."""
+    raw = await request.read()
+    if not raw.strip():
+        if empty_ok:
+            return {}
+        raise RequestError("the request has no body; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+_REQUIRED = object()
+
+
+def _field(body: dict, name: str, check, default=_REQUIRED):
+    if body.get(name) is None:
+        if default is _REQUIRED:
+            raise RequestError(f"missing field `{name}`")
+        return default
+    return check(name, body[name])
+
+
+def _str_list(where, v):
+    return as_list(where, v, as_str)
+
+
+def _shapes(where, v):
+    return as_list(where, v, lambda w, s: as_list(w, s, as_int))
 
 
 def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> web.Application:
     tokenizer = engine.tokenizer
     routes = web.RouteTableDef()
+    flushing = asyncio.Lock()
 
     async def run_blocking(fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
-    async def call(request: web.Request, fn, *keys: str, optional: dict | None = None):
+    async def control(fn, *args, ok: str, **kwargs) -> web.Response:
+        """Run an engine call: success answers ``ok``; a refusal answers its message."""
         try:
-            body = await request.json()
-            args = [body[k] for k in keys]
-            extra = {k: body.get(k, v) for k, v in (optional or {}).items()}
-        except (ValueError, KeyError) as e:
-            return _error(400, f"bad request: {e!r}")
-        try:
-            await run_blocking(fn, *args, **extra)
-        except Exception as e:
-            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"},
-                                     status=400)
-        return web.json_response({"success": True, "message": "ok"})
+            await run_blocking(fn, *args, **kwargs)
+        except Exception as e:  # SGLang answers every failure as {"success": false, ...}
+            return _outcome(False, str(e))
+        return _outcome(True, ok)
 
     @routes.get("/health")
     async def health(_):
         return web.Response(text="")
 
     @routes.get("/health_generate")
-    async def health_generate(_):
-        await scheduler.submit([GenRequest(input_ids=[engine.pad_id], max_new_tokens=1)])
+    async def health_generate(_):  # one greedy token, as SGLang's health check
+        await scheduler.submit([GenRequest(input_ids=[0], max_new_tokens=1, temperature=0.0)])
         return web.Response(text="")
 
-    @routes.get("/get_model_info")
+    def info() -> dict:
+        config = engine.model.config
+        return {"model_path": model_path, "served_model_name": model_path,
+                "tokenizer_path": model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.weight_version,
+                "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+                "disaggregation_mode": "null", "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None)}
+
+    @routes.get("/model_info")
     async def model_info(_):
-        return web.json_response({"model_path": model_path, "tokenizer_path": model_path,
-                                  "is_generation": True, "weight_version": engine.weight_version})
+        return web.json_response(info())
 
-    @routes.get("/get_server_info")
-    async def server_info(_):
-        return web.json_response({"model_path": model_path, "engine": "hf-cpu",
-                                  "max_batch_size": scheduler.max_batch_size,
-                                  "weight_version": engine.weight_version})
+    @routes.get("/get_model_info")  # deprecated in SGLang; the same answer
+    async def get_model_info(_):
+        return web.json_response(info())
 
-    @routes.get("/get_weight_version")
-    async def weight_version(_):
-        return web.json_response({"weight_version": engine.weight_version})
+    def server_info() -> dict:
+        return {"model_path": model_path, "tokenizer_path": model_path,
+                "served_model_name": model_path, "context_length": engine.context_len,
+                "max_running_requests": scheduler.max_batch_size, "device": str(engine.device),
+                "engine": "hf-cpu", "internal_states": [{
+                    "paused": scheduler.paused_mode is not None,
+                    "weight_update_session": engine.session is not None}]}
 
-    @routes.route("*", "/flush_cache")
-    async def flush_cache(_):
-        return web.Response(text="Cache flushed.")  # no prefix cache to flush
+    @routes.get("/server_info")
+    async def get_server_info(_):
+        return web.json_response(server_info())
+
+    @routes.get("/get_server_info")  # deprecated in SGLang; the same answer
+    async def get_server_info_alias(_):
+        return web.json_response(server_info())
+
+    @routes.route("GET", "/flush_cache")
+    @routes.route("POST", "/flush_cache")
+    async def flush_cache(request):
+        """Nothing to flush (no prefix cache), but refused exactly when SGLang would be:
+        while requests run or wait (see ``BatchScheduler.idle``); ``?timeout=`` waits."""
+        try:
+            timeout_s = float(request.query.get("timeout", 0.0))
+        except ValueError:
+            raise RequestError("timeout: a number of seconds >= 0") from None
+        if not timeout_s >= 0:
+            raise RequestError("timeout: a number of seconds >= 0")
+        if flushing.locked():
+            return web.Response(text="Another flush_cache is already in progress.", status=400)
+        async with flushing:
+            deadline = time.monotonic() + timeout_s
+            while not scheduler.idle():
+                if time.monotonic() >= deadline:
+                    message = "Timed out waiting for idle state." if timeout_s else "Flush cache failed.\n"
+                    return web.Response(text=message, status=400)
+                await asyncio.sleep(0.02)
+        return web.Response(text=FLUSHED)
 
     @routes.post("/pause_generation")
     async def pause(request):
-        body = await request.json() if request.can_read_body else {}
-        mode = body.get("mode", "abort")
+        mode = _field(await _body(request), "mode", as_str, "abort")
         if mode not in PAUSE_MODES:  # ``abort`` (SGLang's default) would fail requests: refused
-            return _error(400, f"mode={mode!r}: this engine supports {sorted(PAUSE_MODES)}")
-        await run_blocking(scheduler.pause)
-        return web.json_response({"success": True, "message": "paused"})
+            raise RequestError(f"mode={mode!r}: this engine supports {sorted(PAUSE_MODES)}")
+        await run_blocking(scheduler.pause, mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @routes.post("/continue_generation")
-    async def resume(_):
+    async def resume(request):
+        await _body(request)
         scheduler.resume()
-        return web.json_response({"success": True, "message": "continued"})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     @routes.post("/init_weights_update_group")
     async def init_group(request):
-        return await call(request, engine.init_weights_update_group, "master_address",
-                          "master_port", "rank_offset", "world_size",
-                          optional={"group_name": "weight_update_group", "backend": "gloo"})
+        b = await _body(request, empty_ok=False)
+        args = (_field(b, "master_address", as_str), _field(b, "master_port", as_int),
+                _field(b, "rank_offset", as_int), _field(b, "world_size", as_int),
+                _field(b, "group_name", as_str, "weight_update_group"),
+                _field(b, "backend", as_str, "gloo"))  # SGLang defaults to nccl; CPU: gloo
+        return await control(engine.init_weights_update_group, *args,
+                             ok="Succeeded to initialize custom process group.")
+
+    @routes.post("/begin_weight_update")
+    async def begin(request):
+        await _body(request)
+        return await control(engine.begin_weight_update, ok="Success")
+
+    @routes.post("/end_weight_update")
+    async def end(request):
+        await _body(request)
+        return await control(engine.end_weight_update, ok="Success")
 
     @routes.post("/update_weights_from_distributed")
     async def update(request):
-        return await call(request, engine.update_weights_from_distributed, "names", "dtypes",
-                          "shapes", optional={"group_name": "weight_update_group",
-                                              "weight_version": None})
+        b = await _body(request, empty_ok=False)
+        names, dtypes = _field(b, "names", _str_list), _field(b, "dtypes", _str_list)
+        shapes = _field(b, "shapes", _shapes)
+        group_name = _field(b, "group_name", as_str, "weight_update_group")
+        version = _field(b, "weight_version", as_str, None)
+        flush = _field(b, "flush_cache", as_bool, True)
+        for name in ("abort_all_requests",):
+            if _field(b, name, as_bool, False):
+                raise RequestError(f"{name}=true is not supported by the CPU engine")
+        if _field(b, "load_format", as_str, None) is not None:
+            raise RequestError(f"load_format={b['load_format']!r} is not supported by the CPU engine")
+        response = await control(engine.update_weights_from_distributed, names, dtypes, shapes,
+                                 group_name, version, ok="Succeeded to update parameter online.")
+        if response.status == 200 and flush and not scheduler.idle():
+            return _outcome(False, FLUSH_REFUSED)  # the weights stay loaded
+        return response
 
     @routes.post("/destroy_weights_update_group")
     async def destroy(request):
-        return await call(request, engine.destroy_weights_update_group,
-                          optional={"group_name": "weight_update_group"})
+        name = _field(await _body(request), "group_name", as_str, "weight_update_group")
+        return await control(engine.destroy_weights_update_group, name,
+                             ok="Succeeded to destroy custom process group.")
 
-    @routes.route("*", "/get_weights_by_name")
+    @routes.route("GET", "/get_weights_by_name")
+    @routes.route("POST", "/get_weights_by_name")
     async def weights_by_name(request):
+        b = await _body(request, empty_ok=False)
+        name, size = _field(b, "name", as_str), _field(b, "truncate_size", as_int, 100)
         try:
-            body = await request.json()
-            values = await run_blocking(engine.get_weights_by_name, body["name"],
-                                        int(body.get("truncate_size", 100)))
-        except (ValueError, KeyError) as e:
-            return _error(400, str(e))
+            values = await run_blocking(engine.get_weights_by_name, name, size)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         return web.json_response(values)
 
-    @routes.post("/generate")
+    @routes.route("POST", "/generate")
+    @routes.route("PUT", "/generate")
     async def generate(request):
-        try:
-            reqs, batched, want_logprob = _parse_generate(await request.json(), tokenizer)
-        except (ValueError, TypeError, KeyError) as e:
-            return _error(400, str(e))
-        results = await scheduler.submit(reqs)
-        answers = []
-        for req, res in zip(reqs, results):
-            meta = {"id": uuid.uuid4().hex, "finish_reason": res.finish_reason,
-                    "prompt_tokens": len(req.input_ids), "completion_tokens": len(res.output_ids),
-                    "weight_version": res.weight_version}
-            if want_logprob:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
-                                                 zip(res.logprobs, res.output_ids)]
-            answers.append({"text": tokenizer.decode(res.output_ids, skip_special_tokens=True),
-                            "output_ids": res.output_ids, "meta_info": meta})
-        return web.json_response(answers if batched else answers[0])
+        t0 = time.perf_counter()
+        g = parse_generate(await _body(request, empty_ok=False), tokenizer, engine.vocab_size,
+                           engine.context_len)
+        results = await scheduler.submit(g.reqs)
+        latency = time.perf_counter() - t0
+        answers = [answer(g, i, res, latency, tokenizer) for i, res in enumerate(results)]
+        return web.json_response(answers[0] if g.single else answers)
 
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 30, middlewares=[_errors])
     app.add_routes(routes)
     return app
 
