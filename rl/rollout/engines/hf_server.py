@@ -225,11 +225,8 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
                 "architectures": getattr(config, "architectures", None)}
 
     @routes.get("/model_info")
-    async def model_info(_):
-        return web.json_response(info())
-
     @routes.get("/get_model_info")  # deprecated in SGLang; the same answer
-    async def get_model_info(_):
+    async def model_info(_):
         return web.json_response(info())
 
     def server_info() -> dict:
@@ -241,11 +238,8 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
                     "weight_update_session": engine.session is not None}]}
 
     @routes.get("/server_info")
-    async def get_server_info(_):
-        return web.json_response(server_info())
-
     @routes.get("/get_server_info")  # deprecated in SGLang; the same answer
-    async def get_server_info_alias(_):
+    async def get_server_info(_):
         return web.json_response(server_info())
 
     @routes.route("GET", "/flush_cache")
