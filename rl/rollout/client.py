@@ -78,7 +78,8 @@ class EngineClient:
             return False
 
     def model_info(self) -> dict:
-        """``GET /model_info`` (SGLang 0.5.21+); older servers only have ``/get_model_info``."""
+        """``GET /model_info`` (SGLang 0.5.6 and later, with ``weight_version``); a server
+        without it may still have the older ``/get_model_info``."""
         if self._has_model_info is not False:
             info = self._request("GET", "/model_info", ok_404=True)
             self._has_model_info = info is not None

@@ -10,6 +10,7 @@ parameters; only rank 0 sends.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Iterable, Sequence
@@ -106,8 +107,7 @@ class BroadcastSync:
         }
         tensors = [t.to(self.device).contiguous() for _, t in bucket]
         try:
-            works = [self.group.broadcast(t, src=0, async_op=True) for t in tensors]
-            self._wait_broadcast(works, futures)
+            self._broadcast(tensors, futures)
         except EngineRefused:
             raise
         except Exception as e:  # a peer left the group: the engines' answers say why
@@ -116,11 +116,23 @@ class BroadcastSync:
         self._raise_engine_errors(futures)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _wait_broadcast(self, works: list, futures: dict) -> None:
-        """Wait for the bucket's broadcasts, but fail at once when an engine refuses the
-        bucket: it will never join them, and waiting would only end at the group timeout."""
+    def _broadcast(self, tensors: list[torch.Tensor], futures: dict) -> None:
+        """Broadcast the bucket's tensors, but fail at once when an engine refuses the bucket:
+        it will never join, and waiting would only end at the group's timeout. The
+        broadcasts are issued from a helper thread because NCCL sets up its communicator at
+        the first one and blocks there until every rank has joined."""
+        issued: dict = {}
+
+        def issue() -> None:
+            try:
+                issued["works"] = [self.group.broadcast(t, src=0, async_op=True) for t in tensors]
+            except BaseException as e:  # raised again on the caller's thread below
+                issued["error"] = e
+
+        threading.Thread(target=issue, name="wsync-broadcast", daemon=True).start()
         deadline = time.monotonic() + self.timeout_s
-        while not all(w.is_completed() for w in works):
+        while "error" not in issued and not ("works" in issued and
+                                             all(w.is_completed() for w in issued["works"])):
             refused = [f for f in futures if f.done() and f.exception() is not None]
             if refused:
                 raise EngineRefused("weight update failed on " + "; ".join(
@@ -129,7 +141,9 @@ class BroadcastSync:
                 raise TimeoutError(f"broadcast of a weight bucket not done within {self.timeout_s:.0f}s "
                                    "(weights.timeout_s)")
             time.sleep(0.0005)
-        for w in works:
+        if "error" in issued:
+            raise issued["error"]
+        for w in issued["works"]:
             w.wait()
 
     def _raise_engine_errors(self, futures: dict, cause: BaseException | None = None) -> None:
