@@ -1,0 +1,99 @@
+"""The client on releases older than the pin, told apart by the server's answers alone.
+
+The server here answers as SGLang 0.5.8-0.5.20 does (per docs/sglang.md's table, read from
+those releases' sources): no ``/begin_weight_update`` or ``/end_weight_update`` (404),
+``/model_info`` with ``weight_version``, ``/get_weight_version`` 404, and ``/flush_cache``
+refused (400) while requests wait. One before 0.5.6 lacks ``/model_info`` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from rl.rollout.client import EngineClient
+
+
+class OldServer:
+    def __init__(self, *, has_model_info: bool = True, flush_refusals: int = 0) -> None:
+        from aiohttp import web
+
+        self.seen: list[str] = []
+        self.refusals_left = flush_refusals
+
+        async def model_info(request):
+            self.seen.append(request.path)
+            return web.json_response({"model_path": "m", "weight_version": "7"})
+
+        async def flush(request):
+            self.seen.append(request.path)
+            if self.refusals_left != 0:
+                self.refusals_left -= 1
+                return web.Response(status=400, text="Flush cache failed.\n")
+            return web.Response(text="Cache flushed.\n")
+
+        async def other(request):  # every route the release lacks
+            self.seen.append(request.path)
+            return web.Response(status=404, text='{"detail":"Not Found"}')
+
+        app = web.Application()
+        if has_model_info:
+            app.router.add_get("/model_info", model_info)
+        app.router.add_get("/get_model_info", model_info)
+        app.router.add_route("*", "/flush_cache", flush)
+        app.router.add_route("*", "/{tail:.*}", other)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def old_server(request):
+    server = OldServer(**getattr(request, "param", {}))
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("old_server", [{"flush_refusals": 2}], indirect=True)
+def test_a_release_without_sessions_is_driven_without_them(old_server):
+    c = EngineClient(old_server.url, "engine-0", timeout_s=30)
+    c.begin_weight_update()  # 404: an older release, learned once
+    c.begin_weight_update()
+    c.end_weight_update()  # no /end_weight_update, then the flush, retried past two 400s
+    assert old_server.seen.count("/begin_weight_update") == 1
+    assert "/end_weight_update" not in old_server.seen
+    assert old_server.seen.count("/flush_cache") == 3
+    assert c.get_weight_version() == "7" and "/get_weight_version" not in old_server.seen
+
+
+@pytest.mark.parametrize("old_server", [{"flush_refusals": -1}], indirect=True)
+def test_a_flush_refused_for_good_is_reported_not_fatal(old_server, capsys):
+    c = EngineClient(old_server.url, "engine-0", timeout_s=1)
+    c.begin_weight_update()
+    c.end_weight_update()
+    assert old_server.seen.count("/flush_cache") >= 3  # retried for about a second
+    assert "/flush_cache still refused" in capsys.readouterr().out
+    in_place = EngineClient(old_server.url, "engine-0", timeout_s=1, flush_after_update=False)
+    before = old_server.seen.count("/flush_cache")
+    in_place.end_weight_update()
+    assert old_server.seen.count("/flush_cache") == before  # paused in place: no flush at all
+
+
+@pytest.mark.parametrize("old_server", [{"has_model_info": False}], indirect=True)
+def test_the_version_comes_from_the_deprecated_alias_when_model_info_is_missing(old_server):
+    c = EngineClient(old_server.url, "engine-0", timeout_s=30)
+    assert c.get_weight_version() == "7"
+    assert c.get_weight_version() == "7"
+    assert old_server.seen == ["/model_info", "/get_model_info", "/get_model_info"]
