@@ -98,6 +98,8 @@ class Cluster:
         self.engine_urls = ray.get([e.start.remote() for e in self.engines],
                                    timeout=rc.engine_start_timeout_s + 60)
         print(f"[cluster] engines up: {', '.join(self.engine_urls)}", flush=True)
+        for client in self.engine_clients():  # before any learner plans a weight-update group
+            client.check_update_ranks()
 
     def engine_clients(self) -> list:
         from rl.rollout.client import EngineClient

@@ -17,7 +17,8 @@ from rl.rollout.client import EngineClient
 
 
 class OldServer:
-    def __init__(self, *, has_model_info: bool = True, flush_refusals: int = 0) -> None:
+    def __init__(self, *, has_model_info: bool = True, flush_refusals: int = 0,
+                 server_info: dict | None = None) -> None:
         from aiohttp import web
 
         self.seen: list[str] = []
@@ -38,7 +39,13 @@ class OldServer:
             self.seen.append(request.path)
             return web.Response(status=404, text='{"detail":"Not Found"}')
 
+        async def info(request):
+            self.seen.append(request.path)
+            return web.json_response(server_info)
+
         app = web.Application()
+        if server_info is not None:
+            app.router.add_get("/server_info", info)
         if has_model_info:
             app.router.add_get("/model_info", model_info)
         app.router.add_get("/get_model_info", model_info)
@@ -97,3 +104,19 @@ def test_the_version_comes_from_the_deprecated_alias_when_model_info_is_missing(
     assert c.get_weight_version() == "7"
     assert c.get_weight_version() == "7"
     assert old_server.seen == ["/model_info", "/get_model_info", "/get_model_info"]
+
+
+@pytest.mark.parametrize("old_server,num_ranks,problem", [
+    ({"server_info": {"tp_size": 2, "pp_size": 1, "dp_size": 1}}, 2, None),
+    ({"server_info": {"tp_size": 2, "pp_size": 1, "dp_size": 1}}, 1, "tp_size=2"),
+    ({"server_info": {"tp_size": 1, "pp_size": 2, "dp_size": 1}}, 1, "pp_size=2"),
+    ({"server_info": {"tp_size": 1, "pp_size": 1, "dp_size": 2}}, 1, "dp_size=2"),
+    ({}, 1, None),  # no /server_info: nothing to check
+], indirect=["old_server"])
+def test_engine_layout_must_match_the_ranks_the_sender_plans(old_server, num_ranks, problem):
+    c = EngineClient(old_server.url, "engine-0", num_ranks=num_ranks, timeout_s=30)
+    if problem is None:
+        c.check_update_ranks()
+    else:
+        with pytest.raises(RuntimeError, match=problem):
+            c.check_update_ranks()

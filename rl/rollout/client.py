@@ -120,6 +120,20 @@ class EngineClient:
         self._request("POST", "/continue_generation", {})
 
     # -- weight updates (transfer.weights.WeightReceiver) --------------------------------------
+    def check_update_ranks(self) -> None:
+        """The engine's parallel layout must match the ranks the sender plans for: SGLang
+        joins a weight-update group as ``rank_offset + tp_rank``, so tensor parallelism of
+        ``num_ranks`` and no pipeline or data parallelism (``/server_info``'s ``tp_size``,
+        ``pp_size``, ``dp_size``; a server that reports none of them is taken as is)."""
+        info = self._request("GET", "/server_info", ok_404=True) or {}
+        tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
+        if pp != 1 or dp != 1:
+            raise EngineError(f"{self.name} runs pp_size={pp}, dp_size={dp}: the weight path sends to "
+                              f"tensor-parallel ranks only; start engines without --pp-size/--dp-size")
+        if "tp_size" in info and tp != self.num_ranks:
+            raise EngineError(f"{self.name} runs tp_size={tp}, but the sender plans for {self.num_ranks} "
+                              f"rank(s) per engine (cluster.gpus_per_engine)")
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str) -> None:
         self._request("POST", "/init_weights_update_group", {

@@ -60,9 +60,13 @@ class BroadcastSync:
             for r, off in zip(receivers, offsets)
         }
         try:
+            # NCCL's watchdog aborts the process when an operation exceeds the group's
+            # timeout: give it a margin, so that the sender's own bound (weights.timeout_s)
+            # fires first and names the engines.
+            margin = 60.0 if self.backend == "nccl" else 0.0
             self.group = init_side_group(backend=self.backend, master_address=self.master_address,
                                          master_port=port, rank=0, world_size=world_size,
-                                         group_name=self.group_name, timeout_s=self.timeout_s)
+                                         group_name=self.group_name, timeout_s=self.timeout_s + margin)
         except Exception as e:  # the engines' answers say why the rendezvous failed
             self._raise_engine_errors(futures, cause=e)
             raise
@@ -75,11 +79,16 @@ class BroadcastSync:
         t0 = time.perf_counter()
         sent = 0
         gathered = ((name, full_tensor(p)) for name, p in named_params)  # collective
-        if self.receivers:  # ranks without engines only take part in the gather
-            self._on_engines("begin_weight_update")
-        for bucket in iter_buckets(gathered, self.bucket_bytes):
+        try:
+            if self.receivers:  # ranks without engines only take part in the gather
+                self._on_engines("begin_weight_update")
+            for bucket in iter_buckets(gathered, self.bucket_bytes):
+                if self.receivers:
+                    sent += self._send_bucket(bucket, version)
+        except BaseException:
             if self.receivers:
-                sent += self._send_bucket(bucket, version)
+                self._end_sessions_after_failure()
+            raise
         if self.receivers:
             self._on_engines("end_weight_update")
             check_versions(self.receivers, version, self._pool, self.timeout_s)
@@ -88,6 +97,21 @@ class BroadcastSync:
         return {"weights/bytes": float(sent),
                 "weights/sender_bytes": float(sent * sum(r.num_ranks for r in self.receivers)),
                 "weights/push_s": time.perf_counter() - t0}
+
+    def _end_sessions_after_failure(self, wait_s: float = 5.0) -> None:
+        """Best effort, bounded: close the engines' sessions so that a later push can open
+        new ones (SGLang refuses a second ``begin`` while one is open). An engine stuck in
+        the failed broadcast does not answer; it is named, and the original error raised."""
+        assert self._pool is not None
+        futures = {self._pool.submit(r.end_weight_update): r for r in self.receivers}
+        done, pending = wait(futures, timeout=wait_s)
+        for f in done:
+            if f.exception() is not None:
+                print(f"[weights] {futures[f].name}: closing the session after a failed push: "
+                      f"{f.exception()}", flush=True)
+        for f in pending:
+            print(f"[weights] {futures[f].name}: no answer to end_weight_update within {wait_s:.0f}s "
+                  f"after a failed push", flush=True)
 
     def _on_engines(self, method: str) -> None:
         assert self._pool is not None, "connect() first"
