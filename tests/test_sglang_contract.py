@@ -5,14 +5,21 @@
 - every request the client sends goes to a route the release's HTTP server has, with the
   method it allows, and its body validates against that route's request type;
 - the CPU engine accepts what the release's ``/generate`` schema accepts (or refuses it by
-  name) and answers in the release's response schema.
+  name) and answers in the release's response schema;
+- the CPU engine serves only routes of the release's HTTP server, with their methods, knows
+  every field of its ``GenerateRequest``, and refuses bad input in the bodies the release's
+  own handlers produce (run here from the wheel's source).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import copy
 import json
 import threading
+from http import HTTPStatus
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -229,7 +236,7 @@ def test_cpu_engine_takes_every_sampling_field_of_the_release(engine):
     # an unknown key: the release's gate refuses it, and so does the engine, by name
     r = requests.post(engine + "/generate", json={"input_ids": [5], "sampling_params": {"max_tokens": 3}},
                       timeout=60)
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]  # the contract gate's body
     assert requests.get(engine + "/health_generate", timeout=60).status_code == 200
 
 
@@ -253,3 +260,197 @@ def test_cpu_engine_answers_in_the_release_schema(engine):
                 assert [e.token_id for e in meta.output_token_logprobs] == list(resp.output_ids)
                 assert all(e.logprob is not None and e.logprob <= 0 for e in meta.output_token_logprobs)
     assert len(requests.post(engine + "/generate", json=bodies[1], timeout=60).json()) == 4
+
+
+# -- the CPU engine's routes, fields and error bodies against the release's HTTP server --------
+# Routes the CPU engine serves that SGLang does not (none): each would be named here, and in
+# docs/sglang.md.
+ENGINE_ONLY_ROUTES: set[str] = set()
+
+
+def test_cpu_engine_serves_only_routes_of_the_release():
+    """Every route of the engine's app exists in the release's ``http_server`` with the same
+    methods (HEAD, which both servers add to every GET route, aside)."""
+    from rl.rollout.engines.hf_server import build_app
+
+    app = build_app(SimpleNamespace(tokenizer=None), None, "model")
+    served: dict[str, set[str]] = {}
+    for route in app.router.routes():
+        served.setdefault(route.resource.canonical, set()).add(route.method)
+    assert "/generate" in served and "/update_weights_from_distributed" in served
+    release = sgl.routes()
+    for path, methods in sorted(served.items()):
+        if path in ENGINE_ONLY_ROUTES:
+            continue
+        assert path in release, f"the CPU engine serves {path}, SGLang {SGLANG_VERSION} has no such route"
+        assert methods - {"HEAD"} == set(release[path].methods), (
+            f"{path}: the CPU engine allows {sorted(methods - {'HEAD'})}, "
+            f"SGLang {sorted(release[path].methods)}")
+
+
+def test_cpu_engine_knows_every_generate_field_of_the_release():
+    """The engine's ``/generate`` parser has a JSON type for exactly the release's
+    ``GenerateRequest`` fields (a field added by a later pin fails here), and reads, refuses
+    or ignores each of them."""
+    import msgspec
+    from sglang.api.v1.api_types import GenerateRequest
+
+    from rl.rollout.engines import protocol
+
+    release = {f.name for f in msgspec.structs.fields(GenerateRequest)}
+    known = set(protocol.FIELDS)
+    assert known == release, (f"only in SGLang {SGLANG_VERSION}: {sorted(release - known)}; "
+                              f"only in the CPU engine: {sorted(known - release)}")
+    handled = [*protocol._READ, *protocol._REFUSED, *protocol._IGNORED]
+    assert sorted(handled) == sorted(release), "each field is read, refused or ignored, once"
+
+
+# JSON values of every kind, for the schema sweep below.
+_VALUES = [None, True, 1, -1, 1.5, "s", [], [1], ["a"], [None], [[1]], [True], [None, "a"],
+           [1, None], [["a"]], {}, {"a": 1}, {"a": "b"}, {"url": "x"}, [{"url": "x"}]]
+_MEDIA = {"image_data", "video_data", "audio_data"}  # MediaRef's own fields: not checked
+
+
+def test_cpu_engine_schema_check_agrees_with_the_release_gate():
+    """For every field of ``GenerateRequest`` and of its ``SamplingParams``, and JSON values
+    of every kind, the engine's schema check refuses exactly what SGLang's contract gate
+    (``api_contract.generate_contract_error``) refuses."""
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    from rl.rollout.engines.protocol import FIELDS, ContractError, check_schema
+    from rl.rollout.engines.sampling import SAMPLING_FIELDS
+
+    bodies = [{"input_ids": [1], name: v} for name in FIELDS if name != "sampling_params"
+              for v in _VALUES if not (name in _MEDIA and "{" in repr(v))]
+    bodies += [{"input_ids": [1], "sampling_params": {name: v}} for name in SAMPLING_FIELDS
+               for v in _VALUES]
+    bodies += [{"input_ids": [1], "sampling_params": v} for v in _VALUES]
+    disagree = []
+    for body in bodies:
+        try:
+            check_schema(body)
+            ours = None
+        except ContractError as e:
+            ours = str(e)
+        theirs = generate_contract_error(body)
+        if (ours is None) != (theirs is None):
+            disagree.append((body, theirs, ours))
+    assert not disagree, disagree[:5]
+
+
+class _Response:
+    """Stands in for Starlette's responses: keeps the content and the status."""
+
+    def __init__(self, content=None, status_code: int = 200, **_) -> None:
+        self.content, self.status_code = content, int(status_code)
+
+
+def _from_source(module: str, name: str, ns: dict, decorated: str | None = None):
+    """The top-level function (or class) ``name`` of a wheel module, executed from its
+    source in ``ns`` without decorators; ``decorated`` picks one of several by a decorator's
+    text. A function's annotations are left unevaluated (they name FastAPI's types)."""
+    import __future__
+
+    nodes = [n for n in sgl._tree(module).body if getattr(n, "name", None) == name
+             and (decorated is None or any(decorated in ast.unparse(d) for d in n.decorator_list))]
+    assert len(nodes) == 1, f"{module}.{name}: {len(nodes)} definitions"
+    node = copy.deepcopy(nodes[0])
+    node.decorator_list = []
+    flags = 0 if isinstance(node, ast.ClassDef) else __future__.annotations.compiler_flag
+    exec(compile(ast.Module(body=[node], type_ignores=[]), sgl.source_path(module), "exec",
+                 flags=flags, dont_inherit=True), ns)
+    return ns[name]
+
+
+class SGLangErrors:
+    """SGLang's own code for the answers to bad input, from the installed wheel's
+    ``http_server``: ``generate_request`` (its contract gate) and ``serve_generate_request``
+    with a tokenizer manager that raises the ``ValueError`` given; the
+    ``RequestValidationError`` handler (FastAPI's refusal of a body) with SGLang's
+    ``ErrorResponse``."""
+
+    def __init__(self) -> None:
+        import typing
+
+        from pydantic import BaseModel
+        from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+        self.refusal: ValueError | None = None
+        self.served = 0
+
+        async def answers(obj, request):
+            self.served += 1
+            if self.refusal is not None:
+                raise self.refusal
+            yield {"text": ""}
+
+        manager = SimpleNamespace(generate_request=answers)
+        env = SimpleNamespace(SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=SimpleNamespace(get=lambda: False))
+        ns = {"ORJSONResponse": _Response, "HTTPStatus": HTTPStatus, "Optional": typing.Optional,
+              "BaseModel": BaseModel, "generate_contract_error": generate_contract_error,
+              "_global_state": SimpleNamespace(tokenizer_manager=manager), "envs": env,
+              "logger": SimpleNamespace(error=lambda *a: None, info=lambda *a: None),
+              "orjson_response": lambda ret: _Response(ret), "__name__": "sglang_http_subset"}
+        _from_source("sglang.srt.entrypoints.openai.protocol", "ErrorResponse", ns)
+        for name in ("_create_error_response", "serve_generate_request"):
+            _from_source(sgl.HTTP_SERVER, name, ns)
+        self._generate = _from_source(sgl.HTTP_SERVER, "generate_request", ns)
+        self._invalid = _from_source(sgl.HTTP_SERVER, "validation_exception_handler", ns,
+                                     decorated="RequestValidationError")
+
+    def generate(self, body: dict, refusal: str | None = None) -> _Response:
+        """SGLang's answer to a ``/generate`` body FastAPI parsed; past the gate, its
+        tokenizer manager raises ``ValueError(refusal)`` (when given)."""
+        self.refusal = None if refusal is None else ValueError(refusal)
+        self.served = 0
+
+        async def json_body():
+            return body
+
+        request = SimpleNamespace(json=json_body, headers={})
+        return asyncio.run(self._generate(SimpleNamespace(stream=False), request))
+
+    def invalid_body(self, path: str) -> _Response:
+        """SGLang's answer to a body FastAPI could not parse (its ``json_invalid`` error)."""
+        class Invalid(Exception):
+            def errors(self):
+                return [{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error",
+                         "input": {}, "ctx": {"error": "Expecting property name"}}]
+
+        request = SimpleNamespace(url=SimpleNamespace(path=path), scope={})
+        return asyncio.run(self._invalid(request, Invalid()))
+
+
+def test_cpu_engine_refuses_bad_input_in_the_release_bodies(engine):
+    """Three kinds of bad input, each answered with the status and body keys SGLang's own
+    handlers give it, with a message naming the problem."""
+    sg = SGLangErrors()
+    post = lambda path, **kw: requests.post(engine + path, timeout=60, **kw)  # noqa: E731
+    # 1. a body that breaks GenerateRequest's schema: the contract gate, {"error": "<text>"}
+    for body in ({"input_ids": [5], "sampling_params": {"max_tokens": 3}},
+                 {"input_ids": [5], "sampling_params": {"temperature": "hot"}},
+                 {"input_ids": [5], "stream": "yes"}):
+        want, r = sg.generate(body), post("/generate", json=body)
+        assert sg.served == 0 and want.status_code == r.status_code == 400, (body, r.text)
+        assert set(r.json()) == set(want.content) == {"error"}, (want.content, r.text)
+        assert type(r.json()["error"]) is type(want.content["error"]) is str
+        assert want.content["error"] in r.json()["error"]  # SGLang's text, after the field's path
+    # 2. a body FastAPI cannot parse: SGLang's RequestValidationError handler, an ErrorResponse
+    for path, data, names in (("/generate", b"{not json", "not valid JSON"),
+                              ("/generate", b"[1, 2]", "must be a JSON object"),
+                              ("/init_weights_update_group", b"{}", "master_address")):
+        want = sg.invalid_body(path)
+        r = post(path, data=data, headers={"Content-Type": "application/json"})
+        got = r.json()
+        assert want.status_code == r.status_code == 400, (path, r.text)
+        assert set(got) == set(want.content), (want.content, got)
+        assert {k: got[k] for k in got if k != "message"} == \
+            {k: v for k, v in want.content.items() if k != "message"}, (want.content, got)
+        assert isinstance(got["message"], str) and names in got["message"], got
+    # 3. past the gate, a refusal (the context length): SGLang's ValueError answer, to the byte
+    for body in ({"input_ids": [5] * 128}, {"input_ids": [[5], [6]], "rid": ["a"]}):
+        r = post("/generate", json=body)
+        got = r.json()
+        assert isinstance(got.get("error"), dict) and isinstance(got["error"].get("message"), str), got
+        want = sg.generate(body, refusal=got["error"]["message"])
+        assert sg.served and (r.status_code, got) == (want.status_code, want.content)

@@ -64,7 +64,10 @@ class EngineClient:
             except ValueError:
                 body = r.text
         if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
-            message = body.get("message") or body.get("error") if isinstance(body, dict) else body
+            message = body
+            if isinstance(body, dict):  # SGLang's shapes: {success, message}, {error: text},
+                err = body.get("error")  # {error: {message}}, {object: error, message, code}
+                message = body.get("message") or (err.get("message") if isinstance(err, dict) else err)
             raise EngineError(f"{self.name}{path}: HTTP {r.status_code}: {message}", r.status_code)
         return body
 

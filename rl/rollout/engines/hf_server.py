@@ -8,8 +8,20 @@ deprecated alias ``/get_model_info``), ``/server_info`` (``/get_server_info``), 
 ``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
 ``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``,
 ``/destroy_weights_update_group``, ``/get_weights_by_name``. Bad input is a 400 naming the
-problem (``{"error": {"message": ...}}``), never a crash. Concurrent requests are queued and
-decoded together in batches.
+problem, never a crash, in the body SGLang's server gives that kind of input:
+
+- a body that is not JSON, not an object, or (control routes) lacks a field or has one of
+  the wrong type: FastAPI refuses it before the route runs, and SGLang's
+  ``RequestValidationError`` handler answers an ``ErrorResponse``, ``{"object": "error",
+  "message": ..., "type": "Bad Request", "param": null, "code": 400}`` (``BodyError``);
+- a ``/generate`` body that breaks ``GenerateRequest``'s schema: the contract gate in
+  ``generate_request`` answers ``{"error": "<text>"}`` (``protocol.ContractError``);
+- a ``/generate`` (or ``/get_weights_by_name``) request refused past that: SGLang's
+  ``ValueError``, ``_create_error_response``: ``{"error": {"message": ...}}``
+  (``RequestError``);
+- a control call the engine refuses: ``{"success": false, "message": ...}``.
+
+Concurrent requests are queued and decoded together in batches.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import traceback
 from aiohttp import web
 
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
-from rl.rollout.engines.protocol import answer, parse_generate
+from rl.rollout.engines.protocol import ContractError, answer, parse_generate
 from rl.rollout.engines.sampling import RequestError, as_bool, as_int, as_list, as_str
 
 # Both modes let the running batch finish and hold queued requests; they differ in what
@@ -128,8 +140,20 @@ def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
+class BodyError(RequestError):
+    """The body cannot be parsed into the route's request type (FastAPI's
+    ``RequestValidationError`` on SGLang's server)."""
+
+
 def _error(status: int, message: str) -> web.Response:
+    """SGLang's ``_create_error_response``: a ``ValueError`` past the route's parsing."""
     return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _invalid_body(message: str) -> web.Response:
+    """SGLang's ``RequestValidationError`` handler: an ``ErrorResponse`` (``openai/protocol``)."""
+    return web.json_response({"object": "error", "message": message, "type": "Bad Request",
+                              "param": None, "code": 400}, status=400)
 
 
 def _outcome(success: bool, message: str) -> web.Response:
@@ -140,10 +164,15 @@ def _outcome(success: bool, message: str) -> web.Response:
 
 @web.middleware
 async def _errors(request: web.Request, handler):
-    """Bad input is a 400 that names the problem; anything else is a 500 with its message,
-    and the server keeps serving."""
+    """Bad input is a 400 that names the problem, in SGLang's body for its kind (see the
+    module's docstring); anything else is a 500 with its message, and the server keeps
+    serving."""
     try:
         return await handler(request)
+    except BodyError as e:
+        return _invalid_body(str(e))
+    except ContractError as e:
+        return web.json_response({"error": str(e)}, status=400)
     except RequestError as e:
         return _error(400, str(e))
     except web.HTTPException:
@@ -153,19 +182,18 @@ async def _errors(request: web.Request, handler):
         return _error(500, f"{type(e).__name__}: {e}")
 
 
-async def _body(request: web.Request, *, empty_ok: bool = True) -> dict:
-    """The JSON object the request carries (``{}`` for none, when ``empty_ok``)."""
+async def _body(request: web.Request) -> dict:
+    """The JSON object the request carries. As on SGLang (FastAPI), a route that takes a
+    body refuses a request without one; ``{}`` is a body."""
     raw = await request.read()
     if not raw.strip():
-        if empty_ok:
-            return {}
-        raise RequestError("the request has no body; send a JSON object")
+        raise BodyError("the request has no body; send a JSON object")
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
+        raise BodyError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise BodyError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
@@ -173,11 +201,16 @@ _REQUIRED = object()
 
 
 def _field(body: dict, name: str, check, default=_REQUIRED):
+    """A control route's field: missing or of the wrong type is a ``BodyError``, as
+    FastAPI's validation of the route's ``io_struct`` type."""
     if body.get(name) is None:
         if default is _REQUIRED:
-            raise RequestError(f"missing field `{name}`")
+            raise BodyError(f"missing field `{name}`")
         return default
-    return check(name, body[name])
+    try:
+        return check(name, body[name])
+    except RequestError as e:
+        raise BodyError(str(e)) from None
 
 
 def _str_list(where, v):
@@ -247,12 +280,12 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
     async def flush_cache(request):
         """Nothing to flush (no prefix cache), but refused exactly when SGLang would be:
         while requests run or wait (see ``BatchScheduler.idle``); ``?timeout=`` waits."""
-        try:
+        try:  # SGLang: ``timeout: float = Query(0.0, ge=0.0)``, checked by FastAPI
             timeout_s = float(request.query.get("timeout", 0.0))
         except ValueError:
-            raise RequestError("timeout: a number of seconds >= 0") from None
+            raise BodyError("timeout: a number of seconds >= 0") from None
         if not timeout_s >= 0:
-            raise RequestError("timeout: a number of seconds >= 0")
+            raise BodyError("timeout: a number of seconds >= 0")
         if flushing.locked():
             return web.Response(text="Another flush_cache is already in progress.", status=400)
         async with flushing:
@@ -267,6 +300,8 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
     @routes.post("/pause_generation")
     async def pause(request):
         mode = _field(await _body(request), "mode", as_str, "abort")
+        if mode not in PAUSE_MODES | {"abort"}:  # SGLang's ``Literal`` of modes
+            raise BodyError(f"mode={mode!r}: one of 'abort', 'in_place', 'retract'")
         if mode not in PAUSE_MODES:  # ``abort`` (SGLang's default) would fail requests: refused
             raise RequestError(f"mode={mode!r}: this engine supports {sorted(PAUSE_MODES)}")
         await run_blocking(scheduler.pause, mode)
@@ -280,7 +315,7 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
 
     @routes.post("/init_weights_update_group")
     async def init_group(request):
-        b = await _body(request, empty_ok=False)
+        b = await _body(request)
         args = (_field(b, "master_address", as_str), _field(b, "master_port", as_int),
                 _field(b, "rank_offset", as_int), _field(b, "world_size", as_int),
                 _field(b, "group_name", as_str, "weight_update_group"),
@@ -300,17 +335,17 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
 
     @routes.post("/update_weights_from_distributed")
     async def update(request):
-        b = await _body(request, empty_ok=False)
+        b = await _body(request)
         names, dtypes = _field(b, "names", _str_list), _field(b, "dtypes", _str_list)
         shapes = _field(b, "shapes", _shapes)
         group_name = _field(b, "group_name", as_str, "weight_update_group")
         version = _field(b, "weight_version", as_str, None)
         flush = _field(b, "flush_cache", as_bool, True)
-        for name in ("abort_all_requests",):
-            if _field(b, name, as_bool, False):
-                raise RequestError(f"{name}=true is not supported by the CPU engine")
+        if _field(b, "abort_all_requests", as_bool, False):
+            return _outcome(False, "abort_all_requests=true is not supported by the CPU engine")
         if _field(b, "load_format", as_str, None) is not None:
-            raise RequestError(f"load_format={b['load_format']!r} is not supported by the CPU engine")
+            return _outcome(False, f"load_format={b['load_format']!r} is not supported by the "
+                                   "CPU engine")
         response = await control(engine.update_weights_from_distributed, names, dtypes, shapes,
                                  group_name, version, ok="Succeeded to update parameter online.")
         if response.status == 200 and flush and not scheduler.idle():
@@ -326,7 +361,7 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
     @routes.route("GET", "/get_weights_by_name")
     @routes.route("POST", "/get_weights_by_name")
     async def weights_by_name(request):
-        b = await _body(request, empty_ok=False)
+        b = await _body(request)
         name, size = _field(b, "name", as_str), _field(b, "truncate_size", as_int, 100)
         try:
             values = await run_blocking(engine.get_weights_by_name, name, size)
@@ -338,7 +373,7 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
     @routes.route("PUT", "/generate")
     async def generate(request):
         t0 = time.perf_counter()
-        g = parse_generate(await _body(request, empty_ok=False), tokenizer, engine.vocab_size,
+        g = parse_generate(await _body(request), tokenizer, engine.vocab_size,
                            engine.context_len)
         results = await scheduler.submit(g.reqs)
         latency = time.perf_counter() - t0

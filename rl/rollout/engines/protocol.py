@@ -1,9 +1,12 @@
 """SGLang 0.5.23's ``/generate`` request and answer, for the CPU engine.
 
-The request is ``sglang.api.v1.api_types.GenerateRequest``: unknown top-level keys are
-ignored; a known field the engine cannot honour is refused (``RequestError``, naming it) when
-set to anything but its default; fields that only steer SGLang's routing, caching or metrics
-(``extra_key``, ``cache_salt``, ``priority``, ``routing_key``, ``custom_labels``,
+The request is ``sglang.api.v1.api_types.GenerateRequest``. As SGLang's server does, the body
+is first held to that schema (``check_schema``: every field's JSON type, unknown sampling
+keys; SGLang's contract gate, ``ContractError``), then read (``parse_generate``, whose
+refusals are SGLang's ``ValueError``s). Unknown top-level keys are ignored; a known field the
+engine cannot honour is refused (``RequestError``, naming it) when set to anything but its
+default; fields that only steer SGLang's routing, caching or metrics (``extra_key``,
+``cache_salt``, ``priority``, ``routing_key``, ``custom_labels``,
 ``routed_experts_start_len``) are type-checked and ignored. Batching follows
 ``GenerateReqInput``: ``input_ids`` or ``text``, one prompt or a list; ``n`` samples of each
 prompt come back prompt-major (``tokenizer_manager._handle_batch_request``), so one prompt
@@ -17,23 +20,127 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl.rollout.engines.hf_engine import GenResult
-from rl.rollout.engines.sampling import (GenRequest, RequestError, as_bool, as_int, as_list,
-                                         as_str, as_str_or_list, parse_sampling_params,
-                                         type_error)
+from rl.rollout.engines.sampling import (SAMPLING_FIELDS, GenRequest, RequestError,
+                                         _unknown_field, as_bool, as_int, as_list, as_str,
+                                         as_str_or_list, parse_sampling_params, type_error)
 
 
-def _int_or_list(where: str, v: Any):
-    return as_list(where, v, as_int) if isinstance(v, list) else as_int(where, v)
+class ContractError(RequestError):
+    """The body breaks ``GenerateRequest``'s schema. SGLang's contract gate answers it with
+    ``{"error": "<text>"}`` and 400, where its other refusals carry ``{"message": ...}``."""
 
 
-def _bool_or_list(where: str, v: Any):
-    return as_list(where, v, as_bool) if isinstance(v, list) else as_bool(where, v)
+def _opt(check):
+    """``check`` for a value that may also be null."""
+    return lambda where, v: None if v is None else check(where, v)
+
+
+def _or_list(check):
+    """One value or a sequence of them (the schema's ``...OrList`` types)."""
+    return lambda where, v: as_list(where, v, check) if isinstance(v, list) else check(where, v)
+
+
+def _list_of(check):
+    return lambda where, v: as_list(where, v, check)
+
+
+def _token_ids(where: str, v: Any) -> list:
+    """A sequence of token ids, or a sequence of such sequences."""
+    if not isinstance(v, list):
+        raise type_error(where, v, "a sequence of token ids or of such sequences")
+    if v and isinstance(v[0], list):
+        return [as_list(f"{where}[{i}]", p, as_int) for i, p in enumerate(v)]
+    return as_list(where, v, as_int)
+
+
+def _u64(where: str, v: Any) -> int:
+    if as_int(where, v) < 0:
+        raise RequestError(f"{where}: invalid value: integer `{v}`, expected u64")
+    return v
+
+
+def _map(where: str, v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise type_error(where, v, "a map")
+    return v
 
 
 def _labels(where: str, v: Any) -> dict:
+    return {k: as_str(f"{where}.{k}", e) for k, e in _map(where, v).items()}
+
+
+def _media_item(where: str, v: Any) -> Any:
+    if v is not None and not isinstance(v, (str, dict)):
+        raise type_error(where, v, "one of the MediaInput shapes")
+    return v
+
+
+def _media(where: str, v: Any) -> Any:
+    """A URL or ``MediaRef``, or (nested) sequences of them; the fields of a ``MediaRef``
+    are not checked (media are refused when set)."""
+    if isinstance(v, list):
+        return [as_list(f"{where}[{i}]", e, _media_item) if isinstance(e, list)
+                else _media_item(f"{where}[{i}]", e) for i, e in enumerate(v)]
+    if v is None:
+        raise type_error(where, v, "one of the MediaInput shapes")
+    return _media_item(where, v)
+
+
+def _sampling_params(where: str, v: Any) -> Any:
+    """``SamplingParams`` or a sequence of them: known keys only, each of its JSON type."""
+    if isinstance(v, list):
+        return [_sampling_params_struct(f"{where}[{i}]", s) for i, s in enumerate(v)]
+    return _sampling_params_struct(where, v)
+
+
+def _sampling_params_struct(where: str, v: Any) -> dict:
     if not isinstance(v, dict):
-        raise type_error(where, v, "a map")
-    return {k: as_str(f"{where}.{k}", e) for k, e in v.items()}
+        raise type_error(where, v, "struct SamplingParams")
+    for key, value in v.items():
+        if key not in SAMPLING_FIELDS:
+            raise _unknown_field(where, key, tuple(SAMPLING_FIELDS))
+        if value is not None:
+            SAMPLING_FIELDS[key][0](f"{where}.{key}", value)
+    return v
+
+
+# Every top-level field of ``GenerateRequest`` and its JSON type, null allowed unless in
+# ``_NOT_NULL``; the fields of structs the engine refuses (media, ``kv_hints``,
+# ``images_config``) are not checked inside. Each field is read, refused or ignored below.
+FIELDS = {
+    "rid": as_str_or_list, "text": as_str_or_list, "input_ids": _token_ids, "stream": as_bool,
+    "sampling_params": _sampling_params, "return_logprob": _or_list(as_bool),
+    "logprob_start_len": _or_list(as_int), "top_logprobs_num": _or_list(as_int),
+    "token_ids_logprob": _token_ids, "return_hidden_states": _or_list(as_bool),
+    "return_text_in_logprobs": as_bool, "bootstrap_host": _or_list(_opt(as_str)),
+    "bootstrap_port": _or_list(_opt(as_int)), "bootstrap_room": _or_list(_opt(as_int)),
+    "bootstrap_pair_key": _or_list(_opt(as_str)), "decode_tp_size": _or_list(_opt(as_int)),
+    "routed_dp_rank": as_int, "disagg_prefill_dp_rank": as_int, "image_data": _media,
+    "mm_hashes": _list_of(as_str_or_list), "video_data": _media, "audio_data": _media,
+    "extra_key": as_str_or_list, "priority": as_int, "cache_salt": as_str_or_list,
+    "require_reasoning": as_bool, "lora_path": _or_list(_opt(as_str)),
+    "session_params": lambda where, v: v, "kv_hints": _or_list(_opt(_map)),
+    "routing_key": as_str, "max_thinking_tokens": _u64, "session_id": as_str,
+    "custom_logit_processor": _or_list(_opt(as_str)), "custom_labels": _labels,
+    "images_config": _map, "return_prompt_token_ids": as_bool,
+    "routed_experts_start_len": as_int, "return_sampling_mask": _or_list(as_bool),
+    "modalities": _list_of(_opt(as_str)),
+}
+_NOT_NULL = {"return_prompt_token_ids", "routed_experts_start_len"}
+
+
+def check_schema(body: Any) -> dict:
+    """``body`` if it fits ``GenerateRequest``'s schema, else a ``ContractError`` naming the
+    field at fault (SGLang's contract gate, ``api_contract.generate_contract_error``)."""
+    if not isinstance(body, dict):
+        raise ContractError(str(type_error("request body", body, "struct GenerateRequest")))
+    for name, check in FIELDS.items():
+        if name in body and (body[name] is not None or name in _NOT_NULL):
+            try:
+                check(name, body[name])
+            except RequestError as e:
+                raise ContractError(str(e)) from None
+    return body
 
 
 def _values(v: Any) -> list:
@@ -45,6 +152,9 @@ def _any_set(v: Any) -> bool:
     return any(_any_set(x) for x in v) if isinstance(v, list) else v not in (None, False, "", {})
 
 
+# Top-level fields the engine reads.
+_READ = ("rid", "text", "input_ids", "sampling_params", "return_logprob",
+         "return_text_in_logprobs", "return_prompt_token_ids")
 # Top-level fields the engine cannot honour: name -> "is it set to a non-default value?"
 _REFUSED = {
     "stream": _any_set, "return_hidden_states": _any_set, "return_sampling_mask": _any_set,
@@ -59,8 +169,8 @@ _REFUSED = {
         "bootstrap_pair_key", "decode_tp_size", "disagg_prefill_dp_rank")},
 }
 # Accepted and ignored (SGLang uses them for routing, caching, metrics): type checks only.
-_IGNORED = {"extra_key": as_str_or_list, "cache_salt": as_str_or_list, "priority": as_int,
-            "routing_key": as_str, "custom_labels": _labels, "routed_experts_start_len": as_int}
+_IGNORED = ("extra_key", "cache_salt", "priority", "routing_key", "custom_labels",
+            "routed_experts_start_len")
 
 
 @dataclass
@@ -78,15 +188,13 @@ class Generate:
 
 
 def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int | None) -> Generate:
-    if not isinstance(body, dict):
-        raise type_error("request body", body, "struct GenerateRequest")
+    """The requests of one ``/generate`` body: ``ContractError`` when it breaks the schema,
+    ``RequestError`` for what SGLang refuses past its gate (and what this engine refuses)."""
+    check_schema(body)
     for name, is_set in _REFUSED.items():
         if is_set(body.get(name)):
             raise RequestError(f"{name}={body[name]!r} is not supported by the CPU engine; "
                                "leave it unset")
-    for name, check in _IGNORED.items():
-        if body.get(name) is not None:
-            check(name, body[name])
     prompts, single = _prompts(body, tokenizer, vocab_size)
     P = len(prompts)
     sps = body.get("sampling_params")
@@ -102,7 +210,7 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int | Non
         raise RequestError("The parallel_sample_num should be the same for all samples in "
                            "sample params.")  # SGLang's message: every n must be equal
     logprob = body.get("return_logprob")
-    logprob = False if logprob is None else _bool_or_list("return_logprob", logprob)
+    logprob = False if logprob is None else _or_list(as_bool)("return_logprob", logprob)
     if isinstance(logprob, list):
         if n > 1:
             raise RequestError("Cannot use list return_logprob with parallel_sample_num > 1")
