@@ -154,3 +154,298 @@ def test_split_balanced_is_even_and_balanced():
     assert max(loads) - min(loads) <= 2
     with pytest.raises(AssertionError):
         split_balanced(lengths[:7], 2)
+
+
+# -- several optimizer steps per rollout (algo.steps_per_rollout) ----------------------------
+def _plain(t):
+    """A DTensor (FSDP2 shard) or tensor as a plain CPU tensor copy."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def _optimizer_state(optimizer) -> dict:
+    sd = optimizer.state_dict()
+    return {"state": {i: {k: _plain(v) if torch.is_tensor(v) else v for k, v in s.items()}
+                      for i, s in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+
+
+def _spy_steps(learner) -> list[dict]:
+    """Wrap ``accumulate_grads`` (one call per optimizer step): record each mini-batch's sample
+    ids, the behaviour log-probs and count it was given, its sums, and the full weights it
+    started from. Behaviour unchanged."""
+    record: list[dict] = []
+    inner = learner.accumulate_grads
+
+    def spy(mini, old_mini=None, count=None):
+        weights = learner.full_state()
+        sums = inner(mini, old_mini, count)
+        record.append({"ids": mini.sample_id.tolist(), "count": count, "sums": dict(sums),
+                       "old": None if old_mini is None else [o.copy() for o in old_mini],
+                       "weights": weights})
+        return sums
+
+    learner.accumulate_grads = spy
+    return record
+
+
+CLIP_LOW, CLIP_HIGH = 0.02, 0.03
+
+
+def _steps_worker(rank, world, port, tiny_path, out_dir):
+    import pickle
+
+    from rl.learner.learner import Learner
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3", "algo.steps_per_rollout=2",
+                  "algo.lr=0.01", f"algo.clip_eps={CLIP_LOW}", f"algo.clip_eps_high={CLIP_HIGH}")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+    record = _spy_steps(learner)
+    out = {"pad_id": learner.pad_id}
+    out["two"] = learner.train_batch(make_batch(8, seed=3))
+    out["two_steps"], record[:] = list(record), []
+    learner.cfg.algo.steps_per_rollout = 1
+    out["one"] = learner.train_batch(make_batch(8, seed=3))
+    out["one_steps"], record[:] = list(record), []
+    # An all-masked batch (every loss mask zero), with the optimizer's moments non-zero by now.
+    out["before"] = (learner.full_state(), _optimizer_state(learner.optimizer))
+    for steps in (2, 1):
+        learner.cfg.algo.steps_per_rollout = steps
+        masked = make_batch(8, seed=3)
+        masked.loss_mask = [np.zeros_like(m) for m in masked.loss_mask]
+        out[f"masked_{steps}"] = learner.train_batch(masked)
+    out["masked_steps"] = list(record)
+    out["after"] = (learner.full_state(), _optimizer_state(learner.optimizer))
+    with open(os.path.join(out_dir, "steps.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    learner.close()
+
+
+def _plain_model(tiny_path, weights: dict):
+    """A plain (unsharded) model holding ``weights``: the learner's numbers, not its code."""
+    from rl.model import load_model
+
+    model = load_model(tiny_path)
+    params = dict(model.named_parameters())
+    assert params.keys() == weights.keys()
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(torch.from_numpy(weights[name]))
+    return model
+
+
+def _logprobs_t(model, batch: RolloutBatch, idx) -> list[torch.Tensor]:
+    """Log-probs of each sample's response tokens at temperature 1, one unpadded sample at a time."""
+    out = []
+    for i in idx:
+        p, r = int(batch.prompt_len[i]), int(batch.response_len[i])
+        ids = torch.from_numpy(batch.tokens[i].astype(np.int64))
+        logits = model(input_ids=ids[None]).logits[0].float()
+        logp = torch.log_softmax(logits[p - 1:p - 1 + r], dim=-1)
+        out.append(logp.gather(-1, ids[p:p + r, None])[:, 0])
+    return out
+
+
+def _response_logprobs(tiny_path, weights: dict, batch: RolloutBatch) -> list[np.ndarray]:
+    with torch.no_grad():
+        return [t.numpy() for t in _logprobs_t(_plain_model(tiny_path, weights), batch, range(len(batch)))]
+
+
+def _ppo_grad_norm(tiny_path, weights: dict, old: list[np.ndarray], batch: RolloutBatch, idx) -> float:
+    """Norm of the gradient of the token-mean clipped loss of samples ``idx`` at ``weights``
+    against the behaviour log-probs ``old`` (plain torch autograd)."""
+    model = _plain_model(tiny_path, weights)
+    loss, count = 0.0, 0
+    for i, logp in zip(idx, _logprobs_t(model, batch, idx)):
+        ratio = torch.exp(logp - torch.from_numpy(old[i]))
+        a = float(batch.advantages[i])
+        m = torch.from_numpy(batch.loss_mask[i].astype(np.float32))
+        loss = loss + (torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)) * m).sum()
+        count += int(np.count_nonzero(batch.loss_mask[i]))
+    (loss / count).backward()
+    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()
+                                if p.grad is not None)))
+
+
+def _ppo_by_hand(logp, old, batch, idx):
+    """Token-mean clipped loss and clipped-token count of samples ``idx``, in plain numpy."""
+    loss_sum, clipped, count = 0.0, 0, 0
+    for i in idx:
+        ratio = np.exp(logp[i].astype(np.float64) - old[i])
+        a = float(batch.advantages[i])
+        unclipped = -a * ratio
+        clip_branch = -a * np.clip(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH)
+        m = batch.loss_mask[i].astype(np.float64)
+        loss_sum += float((np.maximum(unclipped, clip_branch) * m).sum())
+        clipped += int(((clip_branch > unclipped) & (m != 0)).sum())
+        count += int(np.count_nonzero(m))
+    return loss_sum / count, clipped, count
+
+
+@pytest.fixture(scope="module")
+def steps_out(tiny_path, tmp_path_factory) -> dict:
+    """What ``_steps_worker`` recorded (one spawned learner for the tests below)."""
+    import pickle
+
+    out_dir = str(tmp_path_factory.mktemp("steps"))
+    mp.start_processes(_steps_worker, args=(1, free_port(), tiny_path, out_dir),
+                       nprocs=1, join=True, start_method="spawn")
+    with open(os.path.join(out_dir, "steps.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
+def test_steps_per_rollout_clip_against_the_behaviour_policy(steps_out, tiny_path):
+    """Two optimizer steps on a fixed batch of 8: the second mini-batch's ratio, clipped
+    tokens and loss are those of its log-probs under the weights after step 1 against the
+    log-probs under the weights before step 1, computed here with a plain model."""
+    out = steps_out
+    batch = make_batch(8, seed=3)
+    first, second = out["two_steps"]
+    ids1, ids2 = first["ids"], second["ids"]  # shuffled mini-batches of 4 (sample id = index)
+    assert len(ids1) == len(ids2) == 4 and sorted(ids1 + ids2) == list(range(8))
+
+    # Behaviour log-probs: those of the weights the rollout's step started from, for both steps.
+    w0, w1 = first["weights"], second["weights"]
+    assert any(not np.array_equal(w0[n], w1[n]) for n in w0)  # step 1 moved the weights
+    old = _response_logprobs(tiny_path, w0, batch)
+    for i, got in zip(ids1 + ids2, first["old"] + second["old"]):
+        np.testing.assert_allclose(got, old[i], rtol=0, atol=2e-5)
+    logp1 = _response_logprobs(tiny_path, w1, batch)
+    # ... and the current weights differ from them enough for the clip to tell them apart
+    assert max(np.abs(logp1[i] - old[i]).max() for i in ids2) > 3 * CLIP_HIGH
+
+    # Step 1: the weights are the behaviour policy's: ratio 1, nothing clipped.
+    loss1, clipped1, count1 = _ppo_by_hand(old, old, batch, ids1)
+    assert first["count"] == count1 and first["sums"]["clipped"] == clipped1 == 0
+    assert first["sums"]["loss"] / count1 == pytest.approx(loss1, rel=1e-4, abs=1e-6)
+    # Step 2: ratio exp(logp under w1 - logp under w0).
+    loss2, clipped2, count2 = _ppo_by_hand(logp1, old, batch, ids2)
+    assert second["count"] == count2
+    assert 0 < clipped2 < count2  # the clip bites on some tokens, not all
+    assert second["sums"]["clipped"] == clipped2
+    assert second["sums"]["loss"] / count2 == pytest.approx(loss2, rel=1e-4, abs=1e-6)
+    # the metrics of the update
+    two = out["two"]
+    assert two["train/optimizer_steps"] == 2
+    assert two["train/clipfrac"] == pytest.approx(clipped2 / (count1 + count2), rel=1e-9)
+    assert two["train/loss"] == pytest.approx((loss1 + loss2) / 2, rel=1e-4, abs=1e-6)
+    assert two["train/approx_kl"] > 0 and two["perf/old_logp_time"] > 0
+    # each step's gradient is that of its own mini-batch's loss only (the metric: the mean of
+    # the steps' norms before clipping)
+    norms = [_ppo_grad_norm(tiny_path, w0, old, batch, ids1),
+             _ppo_grad_norm(tiny_path, w1, old, batch, ids2)]
+    assert two["train/grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-4)
+
+    # One step per rollout: the behaviour policy is the current one, the ratio exactly 1.
+    (only,) = out["one_steps"]
+    assert only["ids"] == list(range(8)) and only["old"] is None
+    one = out["one"]
+    assert one["train/optimizer_steps"] == 1
+    assert one["train/clipfrac"] == 0.0 and one["train/approx_kl"] == 0.0
+    assert one["perf/old_logp_time"] == 0.0
+    loss_one, _, _ = _ppo_by_hand(old, old, batch, range(8))  # ratio 1: -mean advantage
+    assert one["train/loss"] == pytest.approx(loss_one, rel=1e-5)
+
+
+def test_all_masked_batch_changes_nothing(steps_out):
+    """Every loss mask zero (all stale, or every group dropped): no optimizer step, and every
+    parameter and optimizer state tensor stays the same bit for bit (with 2 steps and 1)."""
+    out = steps_out
+    assert out["masked_steps"] == []  # no forward/backward of a mini-batch at all
+    for steps in (2, 1):
+        m = out[f"masked_{steps}"]
+        assert m["train/optimizer_steps"] == 0 and m["train/loss"] == 0.0
+        assert all(np.isfinite(v) for v in m.values())
+    (w_before, opt_before), (w_after, opt_after) = out["before"], out["after"]
+    assert w_before.keys() == w_after.keys()
+    for name in w_before:
+        assert np.array_equal(w_before[name], w_after[name]), name
+    assert opt_before["state"].keys() == opt_after["state"].keys() and opt_before["state"]
+    for i, state in opt_before["state"].items():
+        assert state.keys() == opt_after["state"][i].keys()
+        for k, v in state.items():
+            assert torch.equal(v, opt_after["state"][i][k]), (i, k)
+    assert opt_before["param_groups"] == opt_after["param_groups"]
+
+
+# -- drop_zero_std_groups ---------------------------------------------------------------------
+FLAT_REWARDS = np.array([1, 0, 1, 0,  1, 1, 1, 1,  0.5, 0, 0, 1,  0, 0, 0, 0], dtype=np.float32)
+"""Four groups of 4: the second and fourth have all-equal rewards."""
+
+
+def _grouped_batch() -> RolloutBatch:
+    from rl.algo import grpo_advantages
+
+    b = make_batch(16, seed=2)
+    b.rewards = FLAT_REWARDS.copy()
+    b.advantages = grpo_advantages(b.rewards, 4)
+    b.group_id = np.arange(16) // 4
+    return b
+
+
+def test_zero_std_groups_counts_and_masks_only_flat_groups():
+    from rl.rollout.manager import zero_std_groups
+
+    b = _grouped_batch()
+    before = [m.copy() for m in b.loss_mask]
+    assert zero_std_groups(b, 4, drop=False) == 2
+    assert all(np.array_equal(m, m0) for m, m0 in zip(b.loss_mask, before))  # counted only
+    assert zero_std_groups(b, 4, drop=True) == 2
+    for i in range(16):
+        if 4 <= i < 8 or 12 <= i < 16:
+            assert b.loss_mask[i].dtype == before[i].dtype and not b.loss_mask[i].any(), i
+            assert len(b.loss_mask[i]) == len(before[i])
+        else:
+            assert np.array_equal(b.loss_mask[i], before[i]), i
+    # nearly equal is not equal; groups of 2; no flat group at all
+    b2 = _grouped_batch()
+    b2.rewards = np.array([0.5, 0.5000001] + [1.0, 1.0] + [0.0, 1.0] * 6, dtype=np.float32)
+    assert zero_std_groups(b2, 2, drop=True) == 1
+    assert [bool(m.any()) for m in b2.loss_mask[:6]] == [True, True, False, False, True, True]
+    b3 = _grouped_batch()
+    b3.rewards = np.tile(np.array([0, 1], dtype=np.float32), 8)
+    assert zero_std_groups(b3, 4, drop=True) == 0
+    assert all(np.array_equal(m, m0) for m, m0 in zip(b3.loss_mask, before))
+
+
+def _drop_worker(rank, world, port, tiny_path, out_dir):
+    from rl.algo import LOSS_AGGS
+    from rl.learner.learner import Learner
+    from rl.rollout.manager import zero_std_groups
+    from transfer.weights.base import full_tensor
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+
+    def grads(batch, mode):
+        learner.cfg.algo.loss_agg = mode
+        learner.optimizer.zero_grad()
+        learner.accumulate_grads(batch)
+        return {n: full_tensor(p.grad).clone() for n, p in learner.model.named_parameters()}
+
+    out = {}
+    for mode in LOSS_AGGS:
+        dropped = _grouped_batch()
+        assert zero_std_groups(dropped, 4, drop=True) == 2
+        kept = _grouped_batch().select(np.flatnonzero(np.repeat([1, 0, 1, 0], 4)))
+        out[mode] = {"dropped": grads(dropped, mode), "without": grads(kept, mode),
+                     "not_dropped": grads(_grouped_batch(), mode)}
+    torch.save(out, os.path.join(out_dir, "drop_grads.pt"))
+    learner.close()
+
+
+def test_dropping_flat_groups_equals_training_without_them(tiny_path, tmp_path):
+    mp.start_processes(_drop_worker, args=(1, free_port(), tiny_path, str(tmp_path)),
+                       nprocs=1, join=True, start_method="spawn")
+    g = torch.load(os.path.join(tmp_path, "drop_grads.pt"))
+    for mode, grads in g.items():
+        assert any(v.abs().sum() > 0 for v in grads["without"].values())
+        for name in grads["without"]:
+            torch.testing.assert_close(grads["dropped"][name], grads["without"][name],
+                                       rtol=1e-4, atol=1e-7, msg=f"{mode} {name}")
+        # kept in the loss, the flat groups (zero advantage) only dilute the normalisation:
+        # the gradient is the same direction, scaled by 8 samples' count / 16 samples' count
+        diff = max(float((grads["not_dropped"][n] - grads["without"][n]).abs().max())
+                   for n in grads["without"])
+        assert diff > 1e-3 * max(float(v.abs().max()) for v in grads["without"].values()), mode

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rl.algo import kl_k3, policy_loss, token_logprobs
+from rl.algo import agg_count, agg_sum, entropy_bt, kl_penalty_bt, policy_loss_bt, token_logprobs
 from rl.config import Config
 from rl.learner import checkpoint
 from rl.model import load_model, load_tokenizer
@@ -130,72 +130,132 @@ class Learner:
         return metrics
 
     def train_batch(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on this rank's partition (all ranks call it together)."""
+        """``algo.steps_per_rollout`` optimizer steps on this rank's partition, one per
+        mini-batch (all ranks call it together, with partitions of equal size). The
+        behaviour log-probs (the weights this rollout's step starts from) are computed once,
+        before the first step; every step's ratio, clip and TIS weight work from them."""
         a = self.cfg.algo
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums, global_tokens = self.accumulate_grads(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        packed = torch.tensor(list(sums.values()), dtype=torch.float64)
+        old_logp, old_s = None, 0.0  # one step: the behaviour policy is the current one
+        if a.steps_per_rollout > 1:
+            old_logp = self.behaviour_logprobs(batch)
+            old_s = time.perf_counter() - t0
+        totals: dict[str, float] = {}
+        steps = 0
+        grad_norm = 0.0  # summed over steps, reported as their mean
+        # Mini-batches of shuffled samples (the same sizes on every rank); the order is seeded
+        # by the run's seed and the rollout count, so a resumed run splits as the first did.
+        order = np.random.default_rng([self.cfg.seed, self.scheduler.last_epoch, self.rank]).permutation(
+            len(batch)) if a.steps_per_rollout > 1 else np.arange(len(batch))
+        for idx in np.array_split(order, a.steps_per_rollout):
+            mini = batch.select(idx)
+            old_mini = None if old_logp is None else [old_logp[i] for i in idx]
+            count = torch.tensor([agg_count_of(mini, a.loss_agg)], dtype=torch.float64)
+            dist.all_reduce(count)
+            if float(count) == 0:  # nothing left to learn from on any rank (stale or dropped)
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            sums = self.accumulate_grads(mini, old_mini, float(count))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+            grad_norm += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            self.optimizer.step()
+            steps += 1
+            sums["loss"] /= float(count)  # this mini-batch's loss, summed over ranks below
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0.0) + v
+        self.scheduler.step()  # the LR schedule counts rollouts
+        keys = ("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff", "tis_mean", "tokens")
+        packed = torch.tensor([totals.get(k, 0.0) for k in keys], dtype=torch.float64)
         dist.all_reduce(packed)
-        totals = dict(zip(sums, packed.tolist()))
-        tok = max(global_tokens, 1.0)
-        kl = totals["ref_kl"] if self.ref_model is not None else totals["approx_kl"]
+        g = dict(zip(keys, packed.tolist()))
+        tok = max(g["tokens"], 1.0)
         return {
-            "train/loss": totals["loss"] / tok,
-            "train/clipfrac": totals["clipped"] / tok,
-            "train/kl": kl / tok,
-            "train/logp_diff": totals["logp_diff"] / tok,
-            "train/tis_mean": totals["tis_mean"] / tok,
-            "train/grad_norm": grad_norm,
+            "train/loss": g["loss"] / max(steps, 1),
+            "train/clipfrac": g["clipped"] / tok,
+            "train/approx_kl": g["approx_kl"] / tok,
+            "train/kl": g["ref_kl"] / tok if self.ref_model is not None else g["approx_kl"] / tok,
+            "train/entropy": g["entropy"] / tok,
+            "train/logp_diff": g["logp_diff"] / tok,
+            "train/tis_mean": g["tis_mean"] / tok,
+            "train/optimizer_steps": float(steps),
+            "train/grad_norm": grad_norm / max(steps, 1),
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/tokens_per_s": tok / max(time.perf_counter() - t0, 1e-9),
+            "perf/old_logp_time": old_s,
         }
 
-    def accumulate_grads(self, batch: RolloutBatch) -> tuple[dict[str, float], float]:
-        """Forward/backward over micro-batches; gradients end up equal to those of
-        (sum of token losses over all ranks) / (their token count). Returns this rank's
-        loss statistics (sums over its tokens) and the global token count."""
-        a, T = self.cfg.algo, self.cfg.rollout.temperature
-        n, mbs = len(batch), a.micro_batch_size
-        global_tokens = torch.tensor(float(batch.num_loss_tokens), dtype=torch.float64)
-        dist.all_reduce(global_tokens)
-        scale = self.world_size / max(float(global_tokens), 1.0)  # FSDP averages over ranks
-        clip_high = a.clip_eps_high if a.clip_eps_high is not None else a.clip_eps
-        sums = dict.fromkeys(("loss", "clipped", "approx_kl", "ref_kl", "logp_diff", "tis_mean"), 0.0)
+    @torch.no_grad()
+    def behaviour_logprobs(self, batch: RolloutBatch) -> list[np.ndarray]:
+        """Per sample, the log-probs of its response tokens under the current weights (one
+        no-grad forward over the partition's micro-batches)."""
+        T, mbs, n = self.cfg.rollout.temperature, self.cfg.algo.micro_batch_size, len(batch)
+        out: list[np.ndarray] = []
         for start in range(0, n, mbs):
-            mb = self._pack(batch.select(range(start, min(start + mbs, n))))
+            sub = batch.select(range(start, min(start + mbs, n)))
+            mb = self._pack(sub)
+            logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
+            logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T).cpu().numpy()
+            for i in range(len(sub)):
+                p, r = int(sub.prompt_len[i]), int(sub.response_len[i])
+                out.append(logp_bt[i, p - 1:p - 1 + r].copy())
+        return out
+
+    def accumulate_grads(self, batch: RolloutBatch, old_logp: list[np.ndarray] | None = None,
+                         count: float | None = None) -> dict[str, float]:
+        """Forward/backward over micro-batches; gradients end up equal to those of the
+        aggregated loss (``algo.loss_agg``) of the mini-batch over all ranks, whose
+        denominator is ``count`` (summed over ranks here when not given). ``old_logp`` None:
+        the behaviour policy is the current one (one step per rollout, ratio 1). Returns
+        this rank's sums."""
+        a, T = self.cfg.algo, self.cfg.rollout.temperature
+        if count is None:
+            total = torch.tensor([agg_count_of(batch, a.loss_agg)], dtype=torch.float64)
+            dist.all_reduce(total)
+            count = max(float(total), 1.0)
+        n, mbs, max_len = len(batch), a.micro_batch_size, self.cfg.rollout.max_new_tokens
+        scale = self.world_size / count  # FSDP averages gradients over ranks
+        clip_high = a.clip_eps_high if a.clip_eps_high is not None else a.clip_eps
+        sums = dict.fromkeys(("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff",
+                              "tis_mean", "tokens"), 0.0)
+        for start in range(0, n, mbs):
+            sel = range(start, min(start + mbs, n))
+            mb = self._pack(batch.select(sel), None if old_logp is None else [old_logp[i] for i in sel])
             logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
             logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T)
             mask_bt = mb["mask"]
-            # One update per batch: the behaviour policy is the current one (ratio = 1).
-            # Samples from older weights (async) can be reweighted by the truncated
-            # importance ratio current/engine, computed from the engines' log-probs.
+            old_bt = logp_bt.detach() if old_logp is None else mb["old_logp"]
+            # Samples the engines drew from other weights (async, or engine/learner numerics)
+            # can be reweighted by the truncated importance ratio behaviour/engine.
             weight_bt = mask_bt
             if a.tis_cap > 0:
-                tis_bt = torch.exp(logp_bt.detach() - mb["rollout_logp"]).clamp(max=a.tis_cap)
+                tis_bt = torch.exp(old_bt - mb["rollout_logp"]).clamp(max=a.tis_cap)
                 weight_bt = mask_bt * tis_bt
                 sums["tis_mean"] += float((tis_bt * mask_bt).sum())
-            loss, stats = policy_loss(logp_bt, logp_bt.detach(), mb["adv"], weight_bt,
-                                      a.clip_eps, clip_high)
+            loss_bt, clipped_bt, approx_kl_bt = policy_loss_bt(logp_bt, old_bt, mb["adv"],
+                                                               a.clip_eps, clip_high)
+            loss = agg_sum(loss_bt, weight_bt, a.loss_agg, max_len)
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logits = self.ref_model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
                     ref_bt = token_logprobs(ref_logits[:, :-1], mb["ids"][:, 1:], T)
-                kl = kl_k3(logp_bt, ref_bt, mask_bt)
-                loss = loss + a.kl_coef * kl
-                sums["ref_kl"] += float(kl.detach())
+                kl_bt = kl_penalty_bt(logp_bt, ref_bt, a.kl_estimator)
+                loss = loss + a.kl_coef * agg_sum(kl_bt, mask_bt, a.loss_agg, max_len)
+                sums["ref_kl"] += float((kl_bt.detach() * mask_bt).sum())
+            with torch.set_grad_enabled(a.entropy_coef > 0):
+                ent_bt = entropy_bt(logits[:, :-1], T)
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * agg_sum(ent_bt, mask_bt, a.loss_agg, max_len)
             (loss * scale).backward()
             sums["loss"] += float(loss.detach())
-            sums["clipped"] += float(stats["clipped"])
-            sums["approx_kl"] += float(stats["approx_kl"])
+            sums["clipped"] += float((clipped_bt * mask_bt).sum())
+            sums["approx_kl"] += float((approx_kl_bt * mask_bt).sum())
+            sums["entropy"] += float((ent_bt.detach() * mask_bt).sum())
             sums["logp_diff"] += float(((logp_bt.detach() - mb["rollout_logp"]).abs() * mask_bt).sum())
-        return sums, float(global_tokens)
+            sums["tokens"] += float(mask_bt.sum())
+        return sums
 
-    def _pack(self, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    def _pack(self, batch: RolloutBatch,
+              old_logp: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """Right-pad a micro-batch. Token ids stay exactly as sampled; pad positions and
         everything past a sample's response are masked out, so their ids never matter."""
         B = len(batch)
@@ -204,17 +264,23 @@ class Learner:
         attn = np.zeros((B, L), dtype=np.int64)
         mask = np.zeros((B, L - 1), dtype=np.float32)  # position t predicts token t + 1
         rollout_logp = np.zeros((B, L - 1), dtype=np.float32)
+        old = np.zeros((B, L - 1), dtype=np.float32)
         for i in range(B):
             tok, p, r = batch.tokens[i], int(batch.prompt_len[i]), int(batch.response_len[i])
             ids[i, :len(tok)] = tok
             attn[i, :len(tok)] = 1
             mask[i, p - 1:p - 1 + r] = batch.loss_mask[i]
             rollout_logp[i, p - 1:p - 1 + r] = batch.rollout_logprobs[i]
+            if old_logp is not None:
+                old[i, p - 1:p - 1 + r] = old_logp[i]
         dev = self.device
-        return {"ids": torch.from_numpy(ids).to(dev), "attn": torch.from_numpy(attn).to(dev),
-                "mask": torch.from_numpy(mask).to(dev),
-                "rollout_logp": torch.from_numpy(rollout_logp).to(dev),
-                "adv": torch.from_numpy(np.asarray(batch.advantages, dtype=np.float32)).to(dev)}
+        packed = {"ids": torch.from_numpy(ids).to(dev), "attn": torch.from_numpy(attn).to(dev),
+                  "mask": torch.from_numpy(mask).to(dev),
+                  "rollout_logp": torch.from_numpy(rollout_logp).to(dev),
+                  "adv": torch.from_numpy(np.asarray(batch.advantages, dtype=np.float32)).to(dev)}
+        if old_logp is not None:
+            packed["old_logp"] = torch.from_numpy(old).to(dev)
+        return packed
 
     # -- weights -----------------------------------------------------------------------
     def connect_engines(self, receivers: list) -> None:
@@ -227,7 +293,9 @@ class Learner:
         """Every parameter as a whole numpy array (rank 0; a collective on all ranks)."""
         from transfer.weights.base import full_tensor
 
-        out = {n: full_tensor(p).cpu().numpy().copy() for n, p in self.model.named_parameters()}
+        # A copy before numpy: a numpy view would pin FSDP's storage (on CPU with one rank the
+        # full tensor is the parameter itself), and the next reshard could not free it.
+        out = {n: full_tensor(p).to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}
         return out if self.rank == 0 else None
 
     # -- checkpoints -------------------------------------------------------------------
@@ -256,3 +324,14 @@ def mask_stale(batch: RolloutBatch, min_version: int | None) -> np.ndarray:
     for i in np.flatnonzero(~keep):
         batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
     return keep
+
+
+def agg_count_of(batch: RolloutBatch, mode: str) -> float:
+    """``rl.algo.agg_count`` of a batch's loss masks, without packing it: loss tokens, or
+    sequences with at least one loss token."""
+    nonzero_b = np.asarray([int(np.count_nonzero(m)) for m in batch.loss_mask])
+    if mode == "token_mean":
+        return float(nonzero_b.sum())
+    if mode in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        return float((nonzero_b > 0).sum())
+    return agg_count(torch.zeros(0, 0), mode)  # raises: unknown mode

@@ -69,6 +69,7 @@ class RolloutManager:
         gen_s = time.perf_counter() - t0
         with self._lock:
             batch = self._build_batch(prompts, prompt_ids, answers)
+        zero_std = zero_std_groups(batch, rc.n_samples_per_prompt, drop=self.cfg.algo.drop_zero_std_groups)
         parts = split_balanced(batch.prompt_len + batch.response_len, self.cfg.cluster.num_learners)
         refs = self._put_partitions(batch, parts, step)
         put_ms = [r.timings_ms.get("put_ms", 0.0) for r in refs]
@@ -78,6 +79,7 @@ class RolloutManager:
             "rollout/reward_std": float(batch.rewards.std()),
             "rollout/response_len_mean": float(batch.response_len.mean()),
             "rollout/truncated_frac": float(np.mean([f != "stop" for f in batch.finish_reason])),
+            "rollout/zero_std_groups": float(zero_std),
             "rollout/generate_time": gen_s,
             "rollout/samples_per_s": len(batch) / max(gen_s, 1e-9),
             "rollout/weight_version_min": float(batch.weight_version.min()),
@@ -357,6 +359,20 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def zero_std_groups(batch: RolloutBatch, group_size: int, drop: bool) -> int:
+    """Count the groups whose rewards are all equal (zero advantage: no policy gradient);
+    with ``drop``, take their samples out of the loss. Masked rather than removed, so that
+    every learner rank still gets a partition of the same size, as FSDP requires; a step
+    whose every group is dropped is stored, removed and logged like any other, and the
+    learners skip its optimizer steps."""
+    r_gn = batch.rewards.reshape(-1, group_size)
+    flat_g = (r_gn == r_gn[:, :1]).all(axis=1)
+    if drop:
+        for i in np.flatnonzero(np.repeat(flat_g, group_size)):
+            batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
+    return int(flat_g.sum())
 
 
 def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
