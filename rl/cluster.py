@@ -92,7 +92,7 @@ class Cluster:
                 num_cpus=0, num_gpus=c.gpus_per_engine or None,
                 scheduling_strategy=_in_bundle(pg, i)).remote(
                     i, rc, self.runtime.model_path, self.cfg.seed, self.runtime.log_dir,
-                    None, env, c.gpus_per_engine))
+                    None, env, c.gpus_per_engine, self.cfg.model.dtype))
         print(f"[cluster] starting {c.num_engines} {rc.name} engine(s); logs in {self.runtime.log_dir}",
               flush=True)
         self.engine_urls = ray.get([e.start.remote() for e in self.engines],

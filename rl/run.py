@@ -37,9 +37,12 @@ def prepare_run(cfg: Config) -> Runtime:
 
 
 class StepTimer:
-    """``with timer("rollout"): ...`` -> ``perf/rollout_time``; ``metrics()`` adds step time."""
+    """``with timer("rollout"): ...`` -> ``perf/rollout_time``; ``metrics()`` adds the step's
+    time and its wall-clock start (``perf/step_started_at``, to line up with the rollout's and
+    the learners' ``*_at`` stamps)."""
 
     def __init__(self) -> None:
+        self.started_at = time.time()
         self.t0 = time.perf_counter()
         self.times: dict[str, float] = {}
 
@@ -55,6 +58,7 @@ class StepTimer:
         step = time.perf_counter() - self.t0
         out = {f"perf/{k}_time": v for k, v in self.times.items()}
         out["perf/step_time"] = step
+        out["perf/step_started_at"] = self.started_at
         return out
 
 

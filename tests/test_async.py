@@ -63,6 +63,21 @@ def check_overlap(rows: list[dict]) -> None:
         assert cur["rollout/finished_at"] > prev["train/started_at"]
 
 
+def check_wait(rows: list[dict], clock_s: float = 0.01) -> None:
+    """Fully async: the step's wait for its batch is the time from the step asking for it to
+    the batch being ready, from the run's own clocks (one machine, one wall clock). It starts
+    no earlier than the step (``perf/step_started_at``), cannot end before the batch's
+    generation finished (``rollout/finished_at``), and ends before the learners start
+    training on it (``train/started_at``)."""
+    for r in rows:
+        wait, start = r["perf/wait_rollout_time"], r["perf/step_started_at"]
+        ready = max(0.0, r["rollout/finished_at"] - start)  # 0: queued before the step began
+        assert ready - clock_s <= wait <= r["train/started_at"] - start + clock_s, r
+        assert r["perf/wait_time_ratio"] == pytest.approx(wait / r["perf/step_time"], rel=1e-9)
+    # the first batch is generated from scratch while the learners wait
+    assert rows[0]["perf/wait_rollout_time"] >= 0.5 * rows[0]["rollout/generate_time"]
+
+
 def check_ledger(ledger: list[dict], rows: list[dict], stdout: str, max_staleness: int,
                  first_step: int = 0) -> Counter:
     """Every generated sample has exactly one outcome, trained ones within the bound, and
@@ -103,8 +118,8 @@ def test_fully_async_overlaps_bounds_staleness_and_accounts_for_every_sample(tmp
         missing = [k for k in REQUIRED + ASYNC_METRICS if k not in r]
         assert not missing, missing
         assert r["async/queue_depth"] + 1 <= bound  # queued + the one in training
-        assert r["perf/wait_time_ratio"] <= 1
     check_overlap(rows)
+    check_wait(rows)
     assert rows[0]["async/staleness_max"] == 0  # the first batch comes from the start weights
     outcomes = check_ledger(read_ledger(tmp_path), rows, proc.stdout, max_staleness=1)
     assert outcomes["stale"] == 0  # a queue of 2 batches keeps every sample within 1 version

@@ -38,9 +38,27 @@ def test_every_group_is_present():
 @pytest.mark.parametrize("group,option", [
     (g, f[:-5]) for g in GROUPS for f in sorted(os.listdir(os.path.join(CONF, g))) if f.endswith(".yaml")])
 def test_every_yaml_composes(group, option, tmp_path, tiny_path):
-    cfg = compose(f"{group}={option}", *_required(group, option, tmp_path, tiny_path))
-    node = getattr(cfg, group)
-    assert node.name == option or group in ("cluster", "model"), (group, option, node)
+    """Each YAML composes (with the overrides it needs), names itself, and every value it
+    sets is the value the typed config holds (a size in bytes)."""
+    from omegaconf import OmegaConf
+
+    from rl.config import parse_size
+
+    required = _required(group, option, tmp_path, tiny_path)
+    node = getattr(compose(f"{group}={option}", *required), group)
+    assert node.name == option, (group, option, node)
+    overridden = {o.split("=", 1)[0].removeprefix(f"{group}.") for o in required}
+    values = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, group, f"{option}.yaml")))
+    checked = 0
+    for key, want in values.items():
+        if key == "defaults" or key in overridden:
+            continue
+        got = getattr(node, key)
+        if isinstance(want, str) and isinstance(got, int) and not isinstance(got, bool):
+            want = parse_size(want, f"{group}.{key}")
+        assert got == want, (group, option, key, got, want)
+        checked += 1
+    assert checked or values.keys() <= {"defaults"}, (group, option)
 
 
 def test_defaults():

@@ -53,8 +53,12 @@ def assert_nothing_left(ports: list[str]) -> None:
 
 
 def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
+    data = tmp_path / "prompts.jsonl"  # a reward that a random model earns: the weights move
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "{c * 4}"}}\n' for c in "abcd"))
+    task = ("task=jsonl", f"task.path={data}", "task.reward._target_=tests.helpers.length_reward")
     out = tmp_path / "a"
-    proc = train("num_steps=3", "rollout.prompts_per_step=8", "checkpoint.every=2", f"output_dir={out}")
+    proc = train("num_steps=3", "rollout.prompts_per_step=8", "checkpoint.every=2", *task,
+                 f"output_dir={out}")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
@@ -62,6 +66,11 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
         assert not missing, missing
         assert all(isinstance(r[k], float) and np.isfinite(r[k]) for k in REQUIRED)
         assert r["transfer/bytes"] > 0 and r["weights/bytes"] > 0
+        # one optimizer step per rollout: the behaviour policy is the one being trained, so
+        # the ratio is exactly 1, no token is clipped and the KL to it is exactly 0
+        assert r["train/clipfrac"] == 0.0 and r["train/kl"] == 0.0, r
+    moved = [r["train/grad_norm"] > 0 for r in rows]
+    assert moved[0] or moved[1]  # the checkpoint below is not the initial (reference) policy
     assert "step 3/3 | reward" in proc.stdout  # the console line
     assert any(d.startswith("offline-run-") for d in os.listdir(out / "wandb"))
     ckpts = sorted(os.listdir(out / "checkpoints"))
@@ -71,9 +80,17 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
     out2 = tmp_path / "b"
     proc = train("num_steps=4", "rollout.prompts_per_step=8", "checkpoint.every=2", "logger=console",
                  f"checkpoint.resume={out / 'checkpoints' / 'step_000002'}", f"output_dir={out2}",
-                 "cluster.colocate=true")  # the resumed run shares bundles between the pools
+                 "cluster.colocate=true",  # the resumed run shares bundles between the pools
+                 "algo.kl_coef=0.05", *task)  # train/kl: now the KL to the initial weights
     assert "resumed from" in proc.stdout and "colocated: engine i and learner rank i" in proc.stdout
-    assert [r["step"] for r in read_metrics(out2)] == [2, 3]
+    rows2 = read_metrics(out2)
+    assert [r["step"] for r in rows2] == [2, 3]
+    moved = moved[:2]  # the checkpoint holds steps 0 and 1; this run trains 2 and 3 from it
+    for r in rows2:
+        assert r["train/clipfrac"] == 0.0
+        # positive exactly when some earlier step moved the weights away from the reference
+        assert (r["train/kl"] > 0) == any(moved) and r["train/kl"] >= 0, (r, moved)
+        moved.append(r["train/grad_norm"] > 0)
     with open(out2 / "checkpoints" / "step_000004" / "trainer_state.json") as f:
         state = json.load(f)
     assert state["step"] == 4

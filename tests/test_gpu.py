@@ -1,4 +1,7 @@
-"""GPU checks (marked ``gpu``): skipped on machines without CUDA; run them where a GPU is."""
+"""GPU checks (marked ``gpu``): skipped on machines without CUDA; run them where a GPU is.
+
+A learner step on CUDA (NCCL) is compared with the same step on the CPU (gloo); the
+comparison itself also runs on every machine, between a one-rank and a two-rank gloo step."""
 
 from __future__ import annotations
 
@@ -13,26 +16,88 @@ from tests.conftest import compose
 from tests.test_learner import make_batch
 from transfer.weights.group import free_port
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TIMING = ("train/tokens_per_s", "perf/")  # metrics that measure time, not the update
 
 
-def test_fsdp2_step_over_nccl(tiny_path, tmp_path):
+def _step_worker(rank: int, world: int, port: int, device: str, tiny_path: str, out: str) -> None:
+    """One ``train_batch`` of ``world`` learner ranks on ``device`` over a fixed batch (each
+    rank its half); rank 0 saves the metrics, and every parameter before and after the step
+    and its gradient, whole, on the CPU."""
     from rl.learner.learner import Learner
+    from transfer.weights.base import full_tensor
 
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
-    learner = Learner(compose("cluster.gpus_per_learner=1", "cluster.num_learners=1"),
-                      Runtime("gpu", str(tmp_path), tiny_path), 0, 1)
-    learner.setup("127.0.0.1", free_port())
+    on_gpu = device == "cuda"
+    if on_gpu:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    cfg = compose(f"cluster.num_learners={world}", f"cluster.gpus_per_learner={int(on_gpu)}",
+                  "algo.micro_batch_size=3")
+    learner = Learner(cfg, Runtime("step", os.path.dirname(out), tiny_path), rank, world)
+    learner.setup("127.0.0.1", port)
     try:
-        metrics = learner.train_batch(make_batch(16))
-        assert torch.isfinite(torch.tensor(metrics["train/loss"]))
-        assert metrics["train/grad_norm"] > 0
-        assert next(learner.model.parameters()).is_cuda
+        params = lambda: {n: full_tensor(p).detach().cpu().clone()  # noqa: E731
+                          for n, p in learner.model.named_parameters()}
+        before = params()
+        batch = make_batch(16)
+        metrics = learner.train_batch(batch.select(range(rank * 16 // world, (rank + 1) * 16 // world)))
+        grads = {n: full_tensor(p.grad).detach().cpu().clone() for n, p in learner.model.named_parameters()}
+        after = params()
+        assert next(learner.model.parameters()).device.type == device
+        if rank == 0:
+            torch.save({"metrics": metrics, "before": before, "grads": grads, "after": after,
+                        "lr": cfg.algo.lr}, out)
     finally:
         learner.close()
 
 
+def learner_step(device: str, world: int, tiny_path: str, out_dir) -> dict:
+    out = os.path.join(str(out_dir), f"step_{device}_{world}.pt")
+    mp.start_processes(_step_worker, args=(world, free_port(), device, tiny_path, out),
+                       nprocs=world, join=True, start_method="spawn")
+    return torch.load(out, weights_only=False)
+
+
+def assert_same_step(got: dict, want: dict, what: str) -> None:
+    """The same update up to float rounding: metrics, every gradient, and every parameter's
+    change. AdamW's first step moves a parameter by lr * g / (|g| + eps), about +-lr, so
+    its change is compared where |g| is well above rounding (elsewhere: at most lr)."""
+    keys = sorted(k for k in want["metrics"] if not k.startswith(TIMING))
+    assert keys == sorted(k for k in got["metrics"] if not k.startswith(TIMING)), what
+    for k in keys:
+        assert got["metrics"][k] == pytest.approx(want["metrics"][k], rel=1e-4, abs=1e-7), (what, k)
+    assert want["metrics"]["train/grad_norm"] > 0
+    lr = want["lr"]
+    for name, g in want["grads"].items():
+        torch.testing.assert_close(got["before"][name], want["before"][name], rtol=0, atol=0,
+                                   msg=f"{what}: {name} before the step")
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6,
+                                   msg=f"{what}: gradient of {name}")
+        moved_got = got["after"][name] - got["before"][name]
+        moved_want = want["after"][name] - want["before"][name]
+        sure = g.abs() > 1e-6
+        torch.testing.assert_close(moved_got[sure], moved_want[sure], rtol=1e-3, atol=lr * 1e-3,
+                                   msg=f"{what}: update of {name}")
+        assert moved_got.abs().max() <= lr * 1.01, (what, name)
+    assert any((want["after"][n] != want["before"][n]).any() for n in want["grads"])  # it moved
+
+
+def test_fsdp2_step_over_gloo_matches_one_rank(tiny_path, tmp_path):
+    """The comparison the CUDA check below uses, on the CPU: two FSDP2 ranks make the step
+    one rank makes."""
+    assert_same_step(learner_step("cpu", 2, tiny_path, tmp_path),
+                     learner_step("cpu", 1, tiny_path, tmp_path), "gloo 2 ranks vs 1 rank")
+
+
+@gpu
+@needs_cuda
+def test_fsdp2_step_over_nccl_matches_gloo(tiny_path, tmp_path):
+    assert_same_step(learner_step("cuda", 1, tiny_path, tmp_path),
+                     learner_step("cpu", 1, tiny_path, tmp_path), "nccl (CUDA) vs gloo (CPU)")
+
+
+@gpu
+@needs_cuda
 def test_cpu_engine_on_cuda_logprobs_match_a_forward_pass(tiny_path):
     from rl.model import eos_token_ids, load_model, load_tokenizer
     from rl.rollout.engines.hf_engine import GenRequest, HFEngine
@@ -64,6 +129,8 @@ def _nccl_receiver(port: int, tiny_path: str, out: str) -> None:
     torch.save({n: p.cpu() for n, p in model.named_parameters()}, out)
 
 
+@gpu
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
 def test_nccl_weight_broadcast_into_a_cuda_model(tiny_path, tmp_path):
     from rl.model import load_model

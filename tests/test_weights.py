@@ -11,14 +11,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
+import torch
 
 from rl.cluster import Cluster
 from rl.run import prepare_run
+from tests.cluster_checks import (assert_each_sample_on_one_rank, assert_engines_hold, bits,
+                                  learner_state)
 from tests.conftest import REPO, compose
-import numpy as np
-
-from tests.cluster_checks import assert_each_sample_on_one_rank, assert_engines_hold
 from transfer.weights.broadcast import check_versions
 from transfer.weights.p2p import plan_p2p
 
@@ -104,6 +105,55 @@ def test_every_combination_keeps_engines_bit_identical(ray_module, transfer, wei
             assert list_keys(cluster.runtime.transfer["admin_url"]) == []
     finally:
         cluster.shutdown()
+
+
+def test_bfloat16_engines_run_the_learners_dtype_and_hold_its_weights_bit_for_bit(ray_module, tmp_path):
+    """``model.dtype=bfloat16``: the engines load the (float32) checkpoint in bfloat16 as the
+    learners do, and hold the learners' bfloat16 weights bit for bit after every sync."""
+    from rl.model import load_model
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "{c * 4}"}}\n' for c in "abcd"))
+    cfg = compose("model.dtype=bfloat16", "rollout.prompts_per_step=4", "rollout.max_new_tokens=40",
+                  "logger=console", "task=jsonl", f"task.path={data}",
+                  "task.reward._target_=tests.helpers.length_reward", f"output_dir={tmp_path}")
+    runtime = prepare_run(cfg)
+    # the checkpoint has float32 values that bfloat16 cannot hold: an engine running float32
+    # would hold those, not the learners' rounding of them
+    on_disk = dict(load_model(runtime.model_path, "float32").named_parameters())
+    assert all(p.dtype == torch.float32 for p in on_disk.values())
+    assert any((bits(p) & 0xFFFF).any() for p in on_disk.values())
+    cluster = Cluster(cfg, runtime).start()
+    try:
+        start = learner_state(cluster)
+        assert {t.dtype for t in start.values()} == {torch.bfloat16}
+        assert_engines_hold(cluster, start, version=None)  # before any push: loaded in bfloat16
+        cluster.learners.push_weights(version=0)
+        assert_engines_hold(cluster, learner_state(cluster), 0)
+        for step in range(2):
+            ref = cluster.rollout.generate(step)
+            assert cluster.learners.train(ref)["train/grad_norm"] > 0
+            cluster.store.remove(ref.partitions)
+            cluster.learners.push_weights(version=step + 1)
+            after = learner_state(cluster)
+            assert_engines_hold(cluster, after, step + 1)
+        assert any(not np.array_equal(bits(start[n]), bits(after[n])) for n in start)  # trained
+    finally:
+        cluster.shutdown()
+
+
+def test_engine_commands_carry_the_model_dtype():
+    """model.dtype reaches both engines' command lines (SGLang 0.5.23 takes these spellings);
+    SGLang's own --dtype in extra_args would undo it and is refused."""
+    from rl.config import HFRolloutConfig, SGLangRolloutConfig
+
+    for dtype in ("float32", "bfloat16", "float16"):
+        for rc in (HFRolloutConfig(), SGLangRolloutConfig()):
+            cmd = rc.server_command("/ckpt", "127.0.0.1", 30000, 0, 1, 1, dtype=dtype)
+            assert cmd[cmd.index("--dtype") + 1] == dtype and cmd.count("--dtype") == 1
+    for extra in (["--dtype", "half"], ["--dtype=half"]):
+        with pytest.raises(ValueError, match="--dtype is set from model.dtype"):
+            SGLangRolloutConfig(extra_args=extra)
 
 
 def test_engine_dying_during_a_sync_fails_fast_naming_it(ray_module, tmp_path):

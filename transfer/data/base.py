@@ -45,6 +45,10 @@ class StoreRef:
     """Producer-side timings of this put (``put_ms``, ``encode_ms``)."""
 
 
+class RemovedError(LookupError):
+    """``get`` of a ref whose data was removed (or is otherwise gone from the store)."""
+
+
 @runtime_checkable
 class RolloutStore(Protocol):
     """Moves column dicts between processes. See the module docstring for the call order."""
@@ -54,7 +58,8 @@ class RolloutStore(Protocol):
         ...
 
     def get(self, ref: StoreRef) -> Columns:
-        """Read the column dict behind ``ref`` (same names, dtypes, shapes, order)."""
+        """Read the column dict behind ``ref`` (same names, dtypes, shapes, order); a ref
+        whose data was removed raises ``RemovedError``."""
         ...
 
     def remove(self, refs: Sequence[StoreRef]) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from transfer.data import codec
-from transfer.data.base import Columns, StoreRef
+from transfer.data.base import Columns, RemovedError, StoreRef
 from transfer.data.mooncake_master import port_open
 
 # Mooncake ErrorCode values met on this path (mooncake-store/include/types.h).
@@ -49,6 +49,11 @@ SETUP_KEYS = {"local_hostname", "metadata_server", "global_segment_size", "local
 
 class StoreError(RuntimeError):
     """A Mooncake Store operation failed."""
+
+
+class StoreRemovedError(StoreError, RemovedError):
+    """A get found no data under the ref's keys: removed already, or the learner holding
+    its segment closed."""
 
 
 def import_mooncake():
@@ -184,14 +189,14 @@ class MooncakeStore:
         self.last_decode_ms = 0.0
         self.closed = False
 
-    def _fail(self, what: str, rc: int) -> StoreError:
+    def _fail(self, what: str, rc: int, error: type[StoreError] = StoreError) -> StoreError:
         name = _ERRORS.get(rc, "error")
         hint = ""
         if rc == -200:
             hint = ("; the store's segments are full: raise transfer.global_segment_size "
                     "(each contributing learner node adds one segment)")
-        return StoreError(f"Mooncake store (master {self.settings.master_server_address}): "
-                          f"{what} failed with code {rc} {name}{hint}")
+        return error(f"Mooncake store (master {self.settings.master_server_address}): "
+                     f"{what} failed with code {rc} {name}{hint}")
 
     # -- put ---------------------------------------------------------------------------
     def put(self, columns: Columns, *, key: str) -> StoreRef:
@@ -257,10 +262,10 @@ class MooncakeStore:
                                                  sizes)
                 bad = [(k, rc) for k, rc, s in zip(keys, rcs, sizes) if rc != s]
                 if bad:
-                    gone = " (removed already, or the learner holding its segment closed)" \
-                        if bad[0][1] == _NOT_FOUND else ""
-                    raise self._fail(f"get of {bad[0][0]!r}{gone}",
-                                     bad[0][1] if bad[0][1] < 0 else -10)
+                    found = bad[0][1] != _NOT_FOUND
+                    gone = "" if found else " (removed already, or the learner holding its segment closed)"
+                    raise self._fail(f"get of {bad[0][0]!r}{gone}", bad[0][1] if bad[0][1] < 0 else -10,
+                                     StoreError if found else StoreRemovedError)
             t0 = time.perf_counter()
             # the views keep `exporter` alive; when the last one goes, the buffer is reused
             exporter = (ctypes.c_uint8 * max(n, 1)).from_address(buf.ptr)
@@ -275,9 +280,9 @@ class MooncakeStore:
     def _read_manifest(self, key: str) -> dict:
         raw = self.client.get(f"{key}/manifest")
         if not raw:
-            raise StoreError(f"Mooncake store (master {self.settings.master_server_address}) has no "
-                             f"{key + '/manifest'!r}: removed already, or the learner holding its "
-                             "segment closed")
+            raise StoreRemovedError(f"Mooncake store (master {self.settings.master_server_address}) "
+                                    f"has no {key + '/manifest'!r}: removed already, or the learner "
+                                    "holding its segment closed")
         return json.loads(raw)
 
     # -- remove / close ----------------------------------------------------------------
@@ -339,7 +344,12 @@ class MooncakeStore:
 
     def _get_bundle(self, ref: StoreRef) -> Columns:
         t0 = time.perf_counter()
-        out = self.bundle.get(ref.handle["bundle"], type="dict")
+        try:
+            out = self.bundle.get(ref.handle["bundle"], type="dict")
+        except (KeyError, FileNotFoundError, json.JSONDecodeError) as e:  # its metadata is gone
+            raise StoreRemovedError(f"Mooncake store (master {self.settings.master_server_address}): "
+                                    f"get of bundle {ref.key!r}: removed already, or the learner "
+                                    f"holding its segment closed ({type(e).__name__}: {e})") from e
         self.last_decode_ms = (time.perf_counter() - t0) * 1e3
         return {name: _plain(out[name]) for name in ref.handle["order"]}
 

@@ -4,6 +4,14 @@ The column dict is stored as is with ``ray.put`` (numpy arrays go into shared me
 are read back zero-copy on the same node; a remote node pulls them over TCP). The
 ObjectRef is wrapped inside the ``StoreRef`` so that Ray does not resolve it when the ref
 is passed as an argument of an actor call.
+
+Ray frees an object when the last ObjectRef to it is gone, and Ray 2.60 has no call that
+frees one earlier (``ray.internal.free`` is gone). ``remove`` therefore drops the ObjectRef
+that the ``StoreRef`` holds in this process: the object is freed as soon as no process
+holds the ref any more (the producer keeps none; a learner drops its copy when its step
+returns), not when the caller's ``StoreRef`` happens to be garbage-collected. A removed
+``StoreRef``, and any copy of it sent to another process afterwards, reads as
+``RemovedError``.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from transfer.data.base import Columns, StoreRef, columns_nbytes
+from transfer.data.base import Columns, RemovedError, StoreRef, columns_nbytes
 
 
 class RayStore:
@@ -34,15 +42,17 @@ class RayStore:
     def get(self, ref: StoreRef) -> Columns:
         if ref.backend != self.backend:
             raise ValueError(f"ref {ref.key!r} was written by {ref.backend!r}, not by ray")
+        if not ref.handle:
+            raise RemovedError(f"ray store: {ref.key!r} was removed")
         return self._ray.get(ref.handle[0])
 
     def remove(self, refs: Sequence[StoreRef]) -> None:
-        # Ray counts references: the object is reclaimed when the last ObjectRef to it is
-        # dropped (the producer keeps none; the driver drops the step's ref after the step).
-        # Ray 2.60 has no public call to free an object early, so there is nothing to do.
+        """Drop the ObjectRefs these refs hold (see the module docstring)."""
         for r in refs:
             if r.backend != self.backend:
                 raise ValueError(f"ref {r.key!r} was written by {r.backend!r}, not by ray")
+        for r in refs:
+            r.handle.clear()
 
     def close(self) -> None:
         pass

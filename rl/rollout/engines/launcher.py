@@ -20,9 +20,12 @@ from transfer.weights.group import free_port
 class EngineProcess:
     def __init__(self, index: int, rollout: RolloutConfig, model_path: str, seed: int,
                  log_dir: str, host: str | None, env: dict[str, str] | None = None,
-                 gpus: int = 0) -> None:
+                 gpus: int = 0, dtype: str | None = None) -> None:
+        """``dtype``: the engine's dtype (``model.dtype``); unset = the config's default,
+        float32."""
         self.index = index
         self.gpus = gpus
+        self.dtype = dtype
         self.rollout = rollout
         self.model_path = model_path
         self.seed = seed
@@ -38,8 +41,9 @@ class EngineProcess:
         if not self.host:
             self.host = node_ip()  # resolved here, on the engine's own node
         port = free_port(self.host)
+        kwargs = {"dtype": self.dtype} if self.dtype is not None else {}
         cmd = self.rollout.server_command(self.model_path, self.host, port, self.index, self.seed,
-                                          self.gpus)
+                                          self.gpus, **kwargs)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
