@@ -32,8 +32,8 @@ def policy_loss_bt(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torc
 
     ``ratio = exp(logp - old_logp)``; ``loss = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``;
     ``clipped_bt`` is 1 where the clipped branch won (no gradient flows there);
-    ``approx_kl_bt`` is the k3 estimator ``exp(old - new) - 1 - (old - new)`` of the divergence
-    between the behaviour and the current policy (both without gradient).
+    ``approx_kl_bt`` is the k3 estimate of KL(behaviour || current) from tokens the behaviour
+    policy sampled, ``ratio - 1 - log(ratio)`` (both without gradient).
     """
     ratio_bt = torch.exp(logp_bt - old_logp_bt)
     adv_bt = adv_b[:, None].expand_as(logp_bt)
@@ -42,7 +42,7 @@ def policy_loss_bt(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torc
     loss_bt = torch.maximum(unclipped_bt, clipped_loss_bt)
     with torch.no_grad():
         clipped_bt = (clipped_loss_bt > unclipped_bt).to(logp_bt.dtype)
-        approx_kl_bt = kl_penalty_bt(logp_bt, old_logp_bt, "k3")
+        approx_kl_bt = kl_penalty_bt(old_logp_bt, logp_bt, "k3")
     return loss_bt, clipped_bt, approx_kl_bt
 
 

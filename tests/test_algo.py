@@ -176,12 +176,12 @@ def test_policy_loss_per_token_both_clip_sides():
     torch.testing.assert_close(loss_bt.detach(), torch.tensor([[-1.3, -1.25, -1.1, -0.5],
                                                                [1.6, 1.6, 2.5, 3.0]]))
     assert clipped_bt.tolist() == [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
-    # approx_kl: k3 with log r' = old - logp = -ln r: 1/r - 1 + ln r
-    #   r = 1.5: 0.0721317748, 1.25: 0.0231435513, 1.1: 0.0044010889, 0.5: 0.3068528194,
-    #   0.75: 0.0456512609
+    # approx_kl: k3 of KL(behaviour || current) from behaviour samples: r - 1 - ln r
+    #   r = 1.5: 0.0945348919, 1.25: 0.0268564487, 1.1: 0.0046898202, 0.5: 0.1931471806,
+    #   0.75: 0.0376820725
     torch.testing.assert_close(approx_kl_bt,
-                               torch.tensor([[0.0721317748, 0.0231435513, 0.0044010889, 0.3068528194],
-                                             [0.3068528194, 0.0456512609, 0.0231435513, 0.0721317748]]))
+                               torch.tensor([[0.0945348919, 0.0268564487, 0.0046898202, 0.1931471806],
+                                             [0.1931471806, 0.0376820725, 0.0268564487, 0.0945348919]]))
     # d loss / d logp = -A r where the unclipped branch wins, 0 where the clip does
     loss_bt.sum().backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.25, -1.1, -0.5],

@@ -20,7 +20,9 @@ from tests.conftest import REPO, compose, pids_with, read_until, running
 REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
             "transfer/put_ms", "transfer/get_ms", "transfer/bytes", "transfer/get_gbps",
             "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl",
-            "train/clipfrac", "train/grad_norm", "train/tokens_per_s", "weights/bytes"]
+            "train/clipfrac", "train/grad_norm", "train/tokens_per_s", "weights/bytes",
+            "train/approx_kl", "train/entropy", "train/optimizer_steps", "perf/old_logp_time",
+            "rollout/zero_std_groups"]
 
 
 def train(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:

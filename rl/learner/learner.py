@@ -223,7 +223,10 @@ class Learner:
             logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
             logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T)
             mask_bt = mb["mask"]
-            old_bt = logp_bt.detach() if old_logp is None else mb["old_logp"]
+            # Outside the loss tokens the behaviour log-probs are 0 (padding): keep them equal
+            # to the current ones there, so that no exp() of a pad position overflows.
+            old_bt = (logp_bt.detach() if old_logp is None
+                      else torch.where(mask_bt != 0, mb["old_logp"], logp_bt.detach()))
             # Samples the engines drew from other weights (async, or engine/learner numerics)
             # can be reweighted by the truncated importance ratio behaviour/engine.
             weight_bt = mask_bt
@@ -238,11 +241,14 @@ class Learner:
                 with torch.no_grad():
                     ref_logits = self.ref_model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
                     ref_bt = token_logprobs(ref_logits[:, :-1], mb["ids"][:, 1:], T)
+                ref_bt = torch.where(mask_bt != 0, ref_bt, logp_bt.detach())  # pads: no exp overflow
                 kl_bt = kl_penalty_bt(logp_bt, ref_bt, a.kl_estimator)
                 loss = loss + a.kl_coef * agg_sum(kl_bt, mask_bt, a.loss_agg, max_len)
                 sums["ref_kl"] += float((kl_bt.detach() * mask_bt).sum())
-            with torch.set_grad_enabled(a.entropy_coef > 0):
-                ent_bt = entropy_bt(logits[:, :-1], T)
+            with torch.set_grad_enabled(a.entropy_coef > 0):  # at loss tokens only: [N, V], not [B, T, V]
+                loss_pos_bt = mask_bt != 0
+                ent_bt = torch.zeros_like(logp_bt).masked_scatter(
+                    loss_pos_bt, entropy_bt(logits[:, :-1][loss_pos_bt], T))
             if a.entropy_coef > 0:
                 loss = loss - a.entropy_coef * agg_sum(ent_bt, mask_bt, a.loss_agg, max_len)
             (loss * scale).backward()
@@ -250,7 +256,8 @@ class Learner:
             sums["clipped"] += float((clipped_bt * mask_bt).sum())
             sums["approx_kl"] += float((approx_kl_bt * mask_bt).sum())
             sums["entropy"] += float((ent_bt.detach() * mask_bt).sum())
-            sums["logp_diff"] += float(((logp_bt.detach() - mb["rollout_logp"]).abs() * mask_bt).sum())
+            # learner vs engine on the same weights: the behaviour log-probs, not the moved ones
+            sums["logp_diff"] += float(((old_bt - mb["rollout_logp"]).abs() * mask_bt).sum())
             sums["tokens"] += float(mask_bt.sum())
         return sums
 
