@@ -540,7 +540,8 @@ class AlgoConfig:
     clip_eps_high: Optional[float] = None
     """Upper clip range (DAPO's clip-higher); unset = ``clip_eps``."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the initial (reference) policy; 0 = no reference model."""
+    """Weight of the KL penalty to the initial (reference) policy (estimator: ``kl_estimator``);
+    0 = no reference model."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     micro_batch_size: int = 64

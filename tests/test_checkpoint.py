@@ -39,10 +39,11 @@ def snapshot(learner) -> dict:
             "scheduler": sched}
 
 
-def _worker(rank: int, ports: tuple[int, int], tiny_path: str, out_dir: str) -> None:
+def _worker(rank: int, ports: tuple[int, int], tiny_path: str, out_dir: str,
+            extra: tuple[str, ...] = ()) -> None:
     from rl.learner.learner import Learner
 
-    cfg = compose(*OVERRIDES)
+    cfg = compose(*OVERRIDES, *extra)
     runtime = Runtime("ckpt", out_dir, tiny_path)
     batches = [make_batch(16, seed=s) for s in range(4)]
 
@@ -112,3 +113,31 @@ def test_checkpoint_restores_exactly_and_training_continues_bit_for_bit(tiny_pat
     assert any(not np.array_equal(bits(s["after"]["model"][n]), bits(t)) for n, t in saved["model"].items())
     update = {k: v for k, v in s["next_metrics"].items() if not k.startswith(TIMING)}
     assert update and update == {k: v for k, v in s["restored_metrics"].items() if not k.startswith(TIMING)}
+
+
+def test_checkpoint_with_several_steps_per_rollout_continues_bit_for_bit(tiny_path, tmp_path):
+    """``algo.steps_per_rollout=2``: every rollout is shuffled (seeded by the run's seed and
+    the rollout count, which the checkpoint must carry) into two mini-batches, each its own
+    optimizer step against behaviour log-probs. The restored learners split and step as the
+    original ones did, bit for bit."""
+    mp.start_processes(_worker, args=((free_port(), free_port()), tiny_path, str(tmp_path),
+                                      ("algo.steps_per_rollout=2",)),
+                       nprocs=WORLD, join=True, start_method="spawn")
+    s = torch.load(os.path.join(tmp_path, "states.pt"), weights_only=False)
+    saved = s["saved"]
+    assert len(saved["model"]) > 0 and saved["optim"]["state"].keys() == saved["model"].keys()
+    # two optimizer steps per rollout: AdamW counted 2 per rollout, the schedule 1 per rollout
+    assert all(float(st["step"]) == 6 for st in saved["optim"]["state"].values())
+    assert saved["scheduler"]["last_epoch"] == 3 and saved["scheduler"]["_step_count"] == 4
+    assert any(not np.array_equal(bits(s["fresh"]["model"][n]), bits(t)) for n, t in saved["model"].items())
+    assert s["fresh"]["scheduler"] != saved["scheduler"]
+
+    assert_same_state(s["loaded"], saved, "restored")
+    assert_same_state(s["restored_after"], s["after"], "one step after the restore")
+    assert all(float(st["step"]) == 8 for st in s["after"]["optim"]["state"].values())
+    assert any(not np.array_equal(bits(s["after"]["model"][n]), bits(t)) for n, t in saved["model"].items())
+    nxt = s["next_metrics"]
+    assert nxt["train/optimizer_steps"] == 2 and nxt["perf/old_logp_time"] > 0
+    assert nxt["train/approx_kl"] > 0  # the second step's ratio is not 1: the split matters
+    update = {k: v for k, v in nxt.items() if not k.startswith(TIMING)}
+    assert update == {k: v for k, v in s["restored_metrics"].items() if not k.startswith(TIMING)}

@@ -144,3 +144,51 @@ def test_reward_rises_on_the_default_task(tmp_path):
     assert np.mean(rewards[-10:]) > 0.9, rewards[-20:]
     print(f"default job: {len(rewards)} steps in {time.monotonic() - t0:.0f}s, "
           f"final reward {np.mean(rewards[-10:]):.3f}")
+
+
+FLAT_PROMPTS = 2
+
+
+def _flat_reward_run(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """A tiny ``train.py`` run whose every reward is 0: ``exact_match`` against labels no
+    response can equal (a character outside the tokenizer's alphabet, longer than
+    ``rollout.max_new_tokens``), so every group's rewards are all equal."""
+    data = tmp_path / "prompts.jsonl"
+    label = "\\u2603" * 20  # JSON for 20 snowmen
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "{label}"}}\n' for c in "abcd"))
+    out = tmp_path / "out"
+    proc = train("task=jsonl", f"task.path={data}", "task.reward._target_=rl.tasks.rewards.exact_match",
+                 "transfer=ray", "logger=console", f"rollout.prompts_per_step={FLAT_PROMPTS}",
+                 "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
+                 f"output_dir={out}", "checkpoint.every=0", *overrides)
+    return proc, read_metrics(out)
+
+
+def test_dropping_every_flat_group_skips_the_update_and_still_logs(tmp_path):
+    """``algo.drop_zero_std_groups=true`` when every group is flat: each step counts all its
+    groups, takes no optimizer step, logs its full metrics row, and the run ends cleanly
+    (the step's data is removed and nothing is left running)."""
+    proc, rows = _flat_reward_run(tmp_path, "num_steps=3", "algo.drop_zero_std_groups=true")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert all(isinstance(r[k], float) and np.isfinite(r[k]) for k in REQUIRED), r
+        assert r["rollout/reward_mean"] == 0.0 and r["rollout/reward_std"] == 0.0
+        assert r["rollout/zero_std_groups"] == FLAT_PROMPTS, r
+        assert r["train/optimizer_steps"] == 0, r
+        assert r["train/loss"] == 0.0 and r["train/grad_norm"] == 0.0, r
+        assert r["transfer/bytes"] > 0 and r["weights/bytes"] > 0  # stored and synced as ever
+    assert "step 3/3 | reward" in proc.stdout
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+def test_flat_groups_kept_still_take_an_optimizer_step(tmp_path):
+    """The same run with ``algo.drop_zero_std_groups=false``: the flat groups are counted but
+    stay in the loss, so the step is taken (with zero advantages its gradient is exactly 0)."""
+    proc, rows = _flat_reward_run(tmp_path, "num_steps=1", "algo.drop_zero_std_groups=false")
+    (r,) = rows
+    assert r["step"] == 0 and r["rollout/zero_std_groups"] == FLAT_PROMPTS, r
+    assert r["train/optimizer_steps"] == 1, r
+    assert r["train/grad_norm"] == 0.0 and r["train/loss"] == 0.0, r
+    assert_nothing_left(engine_ports(proc.stdout))

@@ -449,3 +449,121 @@ def test_dropping_flat_groups_equals_training_without_them(tiny_path, tmp_path):
         diff = max(float((grads["not_dropped"][n] - grads["without"][n]).abs().max())
                    for n in grads["without"])
         assert diff > 1e-3 * max(float(v.abs().max()) for v in grads["without"].values()), mode
+
+
+# -- KL penalty and entropy bonus: the learner's gradient against plain autograd ----------------
+PENALTY_T = 0.7  # a sampling temperature other than 1: log-probs and entropy are of logits / T
+PENALTY_CASES = {"kl_k1": ("algo.kl_coef=0.1", "algo.kl_estimator=k1"),
+                 "kl_k3": ("algo.kl_coef=0.1", "algo.kl_estimator=k3"),
+                 "entropy": ("algo.entropy_coef=0.01",)}
+
+
+def _penalty_worker(rank, world, port, tiny_path, out_dir, case):
+    import pickle
+
+    from rl.learner.learner import Learner
+    from transfer.weights.base import full_tensor
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3", "algo.lr=0.01",
+                  f"rollout.temperature={PENALTY_T}", *PENALTY_CASES[case])
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+    out = {"initial": learner.full_state(), "has_ref": learner.ref_model is not None}
+    # one update first, so the policy is no longer the reference (k3's gradient is 0 there)
+    out["first"] = learner.train_batch(make_batch(8, seed=5))
+    out["weights"] = learner.full_state()
+    learner.optimizer.zero_grad(set_to_none=True)
+    out["sums"] = learner.accumulate_grads(make_batch(8, seed=6))
+    out["grads"] = {n: full_tensor(p.grad).detach().cpu().clone()
+                    for n, p in learner.model.named_parameters()}
+    with open(os.path.join(out_dir, "penalty.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    learner.close()
+
+
+def _penalty_loss_by_autograd(tiny_path, weights, ref_weights, batch, kl_coef, kl_estimator,
+                              entropy_coef) -> tuple[dict, dict]:
+    """Gradients at ``weights`` of token-mean policy loss (ratio 1) + ``kl_coef`` * token-mean
+    KL estimate against ``ref_weights`` - ``entropy_coef`` * token-mean entropy, each term's
+    gradient on its own, computed one unpadded sample at a time with a plain model; and the
+    masked sums of the KL estimate and the entropy."""
+    model, ref = _plain_model(tiny_path, weights), _plain_model(tiny_path, ref_weights)
+    count = sum(int(np.count_nonzero(m)) for m in batch.loss_mask)
+    terms = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
+    for i in range(len(batch)):
+        p, r = int(batch.prompt_len[i]), int(batch.response_len[i])
+        ids = torch.from_numpy(batch.tokens[i].astype(np.int64))
+        targets = ids[p:p + r, None]
+        m = torch.from_numpy(batch.loss_mask[i].astype(np.float32))
+        logp_v = torch.log_softmax(model(input_ids=ids[None]).logits[0, p - 1:p - 1 + r].float()
+                                   / PENALTY_T, dim=-1)
+        logp = logp_v.gather(-1, targets)[:, 0]
+        with torch.no_grad():
+            ref_logp = torch.log_softmax(ref(input_ids=ids[None]).logits[0, p - 1:p - 1 + r].float()
+                                         / PENALTY_T, dim=-1).gather(-1, targets)[:, 0]
+        a = float(batch.advantages[i])
+        terms["policy"] = terms["policy"] + (-a * torch.exp(logp - logp.detach()) * m).sum()
+        if kl_estimator == "k1":
+            kl = logp - ref_logp
+        else:  # k3 of KL(policy || ref): r - 1 - log r with r = ref / policy
+            kl = torch.exp(ref_logp - logp) - 1 - (ref_logp - logp)
+        terms["kl"] = terms["kl"] + (kl * m).sum()
+        ent = -(logp_v.exp() * logp_v).sum(-1)
+        terms["entropy"] = terms["entropy"] + (ent * (m != 0)).sum()
+    sums = {"ref_kl": float(terms["kl"].detach()), "entropy": float(terms["entropy"].detach())}
+    coefs = {"policy": 1.0, "kl": kl_coef, "entropy": -entropy_coef}
+    grads = {}
+    for name, term in terms.items():
+        model.zero_grad(set_to_none=True)
+        (coefs[name] * term / count).backward(retain_graph=True)
+        grads[name] = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                       for n, p in model.named_parameters()}
+    return grads, sums
+
+
+def _flat(grads: dict) -> torch.Tensor:
+    return torch.cat([g.reshape(-1).double() for _, g in sorted(grads.items())])
+
+
+@pytest.mark.parametrize("case", list(PENALTY_CASES))
+def test_kl_penalty_and_entropy_bonus_gradients_match_plain_autograd(case, tiny_path, tmp_path):
+    """One step, token_mean, 1 rank: the learner's gradient after ``accumulate_grads`` is that
+    of policy loss + kl_coef * token-mean KL estimate to the reference (the initial weights)
+    - entropy_coef * token-mean entropy of the temperature-scaled distribution at loss
+    positions, computed here with plain autograd; and the penalty's own part of it matches."""
+    import pickle
+
+    mp.start_processes(_penalty_worker, args=(1, free_port(), tiny_path, str(tmp_path), case),
+                       nprocs=1, join=True, start_method="spawn")
+    with open(os.path.join(tmp_path, "penalty.pkl"), "rb") as f:
+        out = pickle.load(f)
+    kl_coef, entropy_coef = (0.1, 0.0) if case.startswith("kl") else (0.0, 0.01)
+    assert out["has_ref"] == (kl_coef > 0)  # a reference model exactly when there is a KL term
+    assert out["first"]["train/optimizer_steps"] == 1
+    assert any(not np.array_equal(out["initial"][n], out["weights"][n]) for n in out["initial"])
+    batch = make_batch(8, seed=6)
+    want, sums = _penalty_loss_by_autograd(tiny_path, out["weights"], out["initial"], batch, kl_coef,
+                                           case.removeprefix("kl_"), entropy_coef)
+    got = out["grads"]
+    assert got.keys() == want["policy"].keys()
+    # the whole gradient, tensor by tensor
+    for name in got:
+        total = want["policy"][name] + want["kl"][name] + want["entropy"][name]
+        torch.testing.assert_close(got[name], total, rtol=1e-4, atol=1e-7, msg=name)
+    # the penalty's part (learner minus the policy term) equals the penalty term's gradient:
+    # a dropped coefficient, a flipped sign or the wrong reference shows here at once
+    extra = _flat(want["kl"] if kl_coef else want["entropy"])
+    got_extra = _flat(got) - _flat(want["policy"])
+    assert float(extra.norm()) > 5e-4 * float(_flat(want["policy"]).norm())  # not negligible
+    assert float((got_extra - extra).norm()) <= 1e-3 * float(extra.norm()), (
+        float((got_extra - extra).norm()), float(extra.norm()))
+    # the logged sums: the KL estimate (0 without a reference) and the entropy
+    count = sum(int(np.count_nonzero(m)) for m in batch.loss_mask)
+    assert out["sums"]["tokens"] == count
+    assert out["sums"]["entropy"] == pytest.approx(sums["entropy"], rel=1e-5)
+    if kl_coef:
+        assert out["sums"]["ref_kl"] == pytest.approx(sums["ref_kl"], rel=1e-4, abs=1e-7)
+        if case == "kl_k3":
+            assert sums["ref_kl"] > 0
+    else:
+        assert out["sums"]["ref_kl"] == 0.0
