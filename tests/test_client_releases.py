@@ -8,12 +8,10 @@ refused (400) while requests wait. One before 0.5.6 lacks ``/model_info`` too.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 
 from rl.rollout.client import EngineClient
+from tests.http_app import ThreadedApp
 
 
 class OldServer:
@@ -51,19 +49,11 @@ class OldServer:
         app.router.add_get("/get_model_info", model_info)
         app.router.add_route("*", "/flush_cache", flush)
         app.router.add_route("*", "/{tail:.*}", other)
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.server = ThreadedApp(app)
+        self.url = self.server.url
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.server.close()
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import ast
 import asyncio
 import copy
 import json
-import threading
 from http import HTTPStatus
 from types import SimpleNamespace
 
@@ -30,6 +29,7 @@ from rl.rollout.client import EngineClient
 from rl.rollout.engines.launcher import EngineProcess
 from rl.rollout.sglang_version import SGLANG_VERSION
 from tests import sglang_release as sgl
+from tests.http_app import ThreadedApp
 from tests.sglang_engine_ranks import SGLangRanks
 from transfer.weights.broadcast import BroadcastSync
 from transfer.weights.p2p import P2PSync
@@ -103,19 +103,11 @@ class RecordingProxy:
 
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", forward)
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.server = ThreadedApp(app)
+        self.url = self.server.url
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.server.close()
 
 
 @pytest.fixture(scope="module")
