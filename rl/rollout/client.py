@@ -15,6 +15,10 @@ from typing import Any
 import requests
 
 
+FLUSH_RETRY_S = 10.0
+"""How long ``/flush_cache`` is retried after a weight update while the engine refuses it."""
+
+
 class EngineError(RuntimeError):
     """An engine answered with an error (``status`` is its HTTP status) or did not answer
     (``status`` is None)."""
@@ -92,14 +96,14 @@ class EngineClient:
 
     def get_weight_version(self) -> str:
         """The weight version the engine serves, from ``/model_info``. ``/get_weight_version``
-        is deprecated since 0.5.9 and removed in 0.5.21; it is asked only when the model
-        info carries no version (releases before 0.5.9)."""
+        answers 404 from 0.5.8 and is removed in 0.5.21; it is asked only when the model info
+        carries no version (releases older than those read for docs/sglang.md)."""
         info = self.model_info()
         if "weight_version" in info:
             return str(info["weight_version"])
         return str(self._request("GET", "/get_weight_version")["weight_version"])
 
-    def flush_cache(self, timeout_s: float = 10.0) -> bool:
+    def flush_cache(self, timeout_s: float = FLUSH_RETRY_S) -> bool:
         """``POST /flush_cache``, retried while the engine refuses (HTTP 400: requests still
         running or queued) until ``timeout_s``; returns whether it flushed."""
         deadline = time.monotonic() + min(timeout_s, self.timeout_s)
@@ -154,9 +158,10 @@ class EngineClient:
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]], group_name: str,
                                         weight_version: str) -> None:
-        """Receive one bucket. Never ``flush_cache=True`` here: on 0.5.10-0.5.20 a flush
-        inside an update while retracted requests wait kills the engine (``assert
-        flush_cache_success``); ``end_weight_update`` flushes once, after the session."""
+        """Receive one bucket. Never ``flush_cache=True`` here: on 0.5.6-0.5.21 a refused
+        flush inside an update kills the engine (``assert flush_cache_success``; requests
+        waiting or running, docs/sglang.md); ``end_weight_update`` flushes once, after the
+        session."""
         self._request("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": False, "weight_version": weight_version})
@@ -164,13 +169,13 @@ class EngineClient:
     def end_weight_update(self) -> None:
         """Close the session, then flush the prefix cache the old weights filled (unless the
         engine is paused in place, where SGLang refuses any flush while requests sit in the
-        running batch). A flush still refused after 10 s (SGLang before 0.5.21 refuses it
-        while retracted requests wait) is reported, not fatal: the weights are loaded; only
-        cached prefixes may still hold old-weight KV."""
+        running batch). A flush still refused after ``FLUSH_RETRY_S`` (SGLang before 0.5.21
+        refuses it while retracted requests wait) is reported, not fatal: the weights are
+        loaded; only cached prefixes may still hold old-weight KV."""
         if self._has_sessions:
             self._request("POST", "/end_weight_update", {})
         if self.flush_after_update and not self.flush_cache():
-            print(f"[weights] {self.name}: /flush_cache still refused after 10s "
+            print(f"[weights] {self.name}: /flush_cache still refused after {FLUSH_RETRY_S:.0f}s "
                   f"(requests queued); cached prefixes may hold KV of the previous weights", flush=True)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
