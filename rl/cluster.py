@@ -55,7 +55,7 @@ class Cluster:
         num_nodes = len([n for n in ray.nodes() if n["Alive"]])
         services, self._stop_services = cfg.transfer.start_services(
             self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
-        self.runtime = dataclasses.replace(self.runtime, num_nodes=num_nodes, transfer=services)
+        self.runtime = dataclasses.replace(self.runtime, transfer=services)
         c = cfg.cluster
         print(f"[cluster] placement: {describe_placement(cfg)}", flush=True)
         if c.colocate:  # one pool: engine i and learner rank i share bundle i (CPU only)
@@ -69,7 +69,7 @@ class Cluster:
                                          strategy="PACK")
             self._pgs = [engine_pg, learner_pg]
         _wait_ready(self._pgs, timeout_s=60)
-        self.store = cfg.transfer.build(self.runtime, role="driver")
+        self.store = cfg.transfer.build(self.runtime)
         self._start_engines(engine_pg, env)
         self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls)
         self.learners = LearnerGroup(cfg, self.runtime, learner_pg)

@@ -252,9 +252,9 @@ class TransferConfig:
         ``runtime.transfer`` and a stop function."""
         return {}, None
 
-    def build(self, runtime: "Runtime", *, role: str,
-              contribute_segment: bool = False) -> "RolloutStore":
-        """A store client for this process; ``role`` is producer, consumer or driver."""
+    def build(self, runtime: "Runtime", *, contribute_segment: bool = False) -> "RolloutStore":
+        """A store client for this process; ``contribute_segment``: it lends memory to the
+        store (learner local rank 0 only)."""
         raise NotImplementedError
 
 
@@ -262,8 +262,7 @@ class TransferConfig:
 class RayTransferConfig(TransferConfig):
     name: str = "ray"
 
-    def build(self, runtime: "Runtime", *, role: str,
-              contribute_segment: bool = False) -> "RolloutStore":
+    def build(self, runtime: "Runtime", *, contribute_segment: bool = False) -> "RolloutStore":
         from transfer.data.ray_store import RayStore
 
         return RayStore()
@@ -369,8 +368,7 @@ class MooncakeTransferConfig(TransferConfig):
         return {"master_server_address": m.address, "metadata_server": m.metadata_server,
                 "admin_url": m.admin_url, "master_pid": str(m.proc.pid)}, m.stop
 
-    def build(self, runtime: "Runtime", *, role: str,
-              contribute_segment: bool = False) -> "RolloutStore":
+    def build(self, runtime: "Runtime", *, contribute_segment: bool = False) -> "RolloutStore":
         from rl.runtime import node_ip
         from transfer.data.mooncake_store import MooncakeSettings, MooncakeStore
 

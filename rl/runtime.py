@@ -15,8 +15,6 @@ class Runtime:
     """Absolute directory for metrics.jsonl, logs and checkpoints."""
     model_path: str
     """Resolved checkpoint directory (the tiny model's cache entry when model.path is unset)."""
-    num_nodes: int = 1
-    """Ray nodes alive when the run started."""
     transfer: dict[str, str] = field(default_factory=dict)
     """What the rollout-data backend resolved on the driver (e.g. the Mooncake master address)."""
 

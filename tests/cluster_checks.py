@@ -64,7 +64,7 @@ def assert_each_sample_on_one_rank(cluster, ref, expected: int) -> None:
     """The partitions cover the step's samples exactly once, evenly, as the engines sampled them."""
     from rl.types import RolloutBatch
 
-    store = cluster.cfg.transfer.build(cluster.runtime, role="driver")
+    store = cluster.cfg.transfer.build(cluster.runtime)
     try:
         parts = [RolloutBatch.from_columns(store.get(p)) for p in ref.partitions]
         ids = np.concatenate([p.sample_id for p in parts])

@@ -84,7 +84,7 @@ class Learner:
 
     def connect_store(self) -> None:
         """Open this rank's store client; local rank 0 of each node lends the node's segment."""
-        self.store = self.cfg.transfer.build(self.runtime, role="consumer",
+        self.store = self.cfg.transfer.build(self.runtime,
                                              contribute_segment=self.local_rank == 0)
 
     @property

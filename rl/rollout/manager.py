@@ -38,7 +38,7 @@ class RolloutManager:
         self.task = cfg.task.build()
         self.pool = EnginePool([EngineClient(u, f"engine-{i}", timeout_s=cfg.rollout.request_timeout_s)
                                 for i, u in enumerate(engine_urls)])
-        self.store = cfg.transfer.build(runtime, role="producer")
+        self.store = cfg.transfer.build(runtime)
         self.next_sample_id = 0
         self._lock = threading.Lock()  # data position and sample ids (the stream thread draws too)
         self._stream: Stream | None = None
