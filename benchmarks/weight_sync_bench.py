@@ -139,7 +139,7 @@ def start_receivers(count: int):
 
     import requests
 
-    from transfer.weights.group import free_port
+    from transfer.net import free_port
 
     ctx = mp.get_context("spawn")
     ports = [free_port() for _ in range(count)]
@@ -164,7 +164,7 @@ def run_one(path: str, urls: list[str], learners: int, num_params: int, bucket_b
             runs: int, warmup: int) -> dict:
     import multiprocessing as mp
 
-    from transfer.weights.group import free_port
+    from transfer.net import free_port
 
     ctx = mp.get_context("spawn")
     engines = len(urls)

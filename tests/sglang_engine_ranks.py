@@ -51,7 +51,7 @@ class SGLangRanks:
     """One engine of ``num_ranks`` tensor-parallel ranks (processes)."""
 
     def __init__(self, name: str, num_ranks: int = 1) -> None:
-        from transfer.weights.group import free_port
+        from transfer.net import free_port
 
         self.name = name
         self.num_ranks = num_ranks

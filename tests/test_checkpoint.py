@@ -15,7 +15,7 @@ from rl.runtime import Runtime
 from tests.cluster_checks import bits
 from tests.conftest import compose
 from tests.test_learner import make_batch
-from transfer.weights.group import free_port
+from transfer.net import free_port
 
 WORLD = 2
 OVERRIDES = (f"cluster.num_learners={WORLD}", "algo.micro_batch_size=3", "num_steps=8",

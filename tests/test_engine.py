@@ -19,7 +19,8 @@ from rl.rollout.client import EngineClient
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.launcher import EngineProcess
 from transfer.weights.broadcast import BroadcastSync
-from transfer.weights.group import free_port, init_side_group
+from transfer.net import free_port
+from transfer.weights.group import init_side_group
 
 
 @pytest.fixture(scope="module")

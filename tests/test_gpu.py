@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from rl.runtime import Runtime
 from tests.conftest import compose
 from tests.test_learner import make_batch
-from transfer.weights.group import free_port
+from transfer.net import free_port
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

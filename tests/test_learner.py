@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from rl.runtime import Runtime
 from rl.types import RolloutBatch
 from tests.conftest import compose
-from transfer.weights.group import free_port
+from transfer.net import free_port
 
 
 def make_batch(n: int, seed: int = 0, vocab: int = 49) -> RolloutBatch:

@@ -232,7 +232,7 @@ def test_segment_too_small_says_what_to_raise(master, tmp_path):
 
 
 def test_unreachable_master_is_a_clear_error():
-    from transfer.weights.group import free_port
+    from transfer.net import free_port
 
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="unreachable"):

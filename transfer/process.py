@@ -1,12 +1,15 @@
-"""Child processes (engine servers, the Mooncake master): die with the parent, stop by PID,
-show the tail of their log in errors."""
+"""Child processes (engine servers, the Mooncake master): start one and wait until it is
+healthy, die with the parent, stop by PID, show the tail of the log in errors."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
+import time
 from collections import deque
+from typing import Callable
 
 
 def die_with_parent() -> None:
@@ -35,3 +38,31 @@ def log_tail(path: str, lines: int = 30) -> str:
             return "".join(deque(f, maxlen=lines))
     except OSError:
         return "(no log)"
+
+
+def start_child(cmd: list[str], *, name: str, log_path: str, ready: Callable[[], bool],
+                timeout_s: float, waits_for: str = "its readiness check", timeout_hint: str = "", env: dict[str, str] | None = None,
+                tie_to_parent: bool = True, poll_s: float = 0.1) -> subprocess.Popen:
+    """Start ``cmd`` with its output appended to ``log_path`` and poll ``ready()`` until it
+    answers true (``waits_for`` names that check in errors). A child that exits first, or is not ready within ``timeout_s`` (then it
+    is stopped), raises a RuntimeError naming it, with the last lines of its log.
+    ``timeout_hint``: the setting that bounds the wait, named in the error."""
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env} if env else None,
+                                preexec_fn=die_with_parent if tie_to_parent else None)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} while starting; "
+                               f"last lines of {log_path}:\n{log_tail(log_path)}")
+        if ready():
+            return proc
+        time.sleep(poll_s)
+    stop(proc)
+    hint = f" ({timeout_hint})" if timeout_hint else ""
+    raise RuntimeError(f"{name} did not answer {waits_for} within {timeout_s:.0f}s{hint}; "
+                       f"last lines of {log_path}:\n{log_tail(log_path)}")

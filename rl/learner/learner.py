@@ -35,7 +35,7 @@ class Learner:
     # -- setup -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
         """(node IP, a free port) for the rank-0 rendezvous."""
-        from transfer.weights.group import free_port
+        from transfer.net import free_port
 
         return node_ip(), free_port()
 

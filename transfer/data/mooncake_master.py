@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
-from transfer.process import die_with_parent, log_tail, stop
-from transfer.weights.group import free_port
+from transfer.net import free_port, port_open
+from transfer.process import log_tail, start_child, stop
 
 
 def master_binary() -> str:
@@ -76,23 +75,10 @@ class MooncakeMaster:
                "-enable_http_metadata_server=true", f"-http_metadata_server_host={self.host}",
                f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
                *self.extra_args]
-        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=die_with_parent if self.die_with_parent else None)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with code {self.proc.returncode}; "
-                                   f"last lines of {self.log_path}:\n{self.log_tail()}")
-            if self.ready():
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"mooncake_master did not answer within {timeout_s:.0f}s; last lines of "
-                           f"{self.log_path}:\n{self.log_tail()}")
+        self.proc = start_child(cmd, name="mooncake_master", log_path=self.log_path,
+                                ready=self.ready, timeout_s=timeout_s,
+                                tie_to_parent=self.die_with_parent)
+        return self
 
     def ready(self) -> bool:
         if not port_open(self.host, self.rpc_port):
@@ -117,14 +103,6 @@ class MooncakeMaster:
 def list_keys(admin_url: str) -> list[str]:
     with urllib.request.urlopen(f"{admin_url.rstrip('/')}/get_all_keys", timeout=5) as r:
         return [k for k in r.read().decode().splitlines() if k.strip()]
-
-
-def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from transfer.data import codec
 from transfer.data.base import Columns, RemovedError, StoreRef
-from transfer.data.mooncake_master import port_open
+from transfer.net import port_open
 
 # Mooncake ErrorCode values met on this path (mooncake-store/include/types.h).
 _ERRORS = {-10: "BUFFER_OVERFLOW", -200: "NO_AVAILABLE_HANDLE (segments full)",

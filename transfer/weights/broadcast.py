@@ -18,7 +18,8 @@ from typing import Iterable, Sequence
 import torch
 
 from transfer.weights.base import WeightReceiver, dtype_name, full_tensor, iter_buckets
-from transfer.weights.group import SideGroup, free_port, init_side_group
+from transfer.net import free_port
+from transfer.weights.group import SideGroup, init_side_group
 
 
 class EngineRefused(RuntimeError):

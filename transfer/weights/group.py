@@ -17,7 +17,6 @@ and a CPU engine that runs none join the same side group alike.
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +81,3 @@ def init_side_group(*, backend: str, master_address: str, master_port: int, rank
     # means the sender on both sides, whatever default world a process has.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return SideGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, name=group_name)
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

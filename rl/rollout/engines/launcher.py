@@ -13,8 +13,8 @@ import time
 from rl.config import RolloutConfig
 from rl.rollout.client import EngineClient
 from rl.runtime import node_ip
-from transfer.process import die_with_parent, log_tail, stop
-from transfer.weights.group import free_port
+from transfer.net import free_port
+from transfer.process import start_child, stop
 
 
 class EngineProcess:
@@ -44,29 +44,21 @@ class EngineProcess:
         kwargs = {"dtype": self.dtype} if self.dtype is not None else {}
         cmd = self.rollout.server_command(self.model_path, self.host, port, self.index, self.seed,
                                           self.gpus, **kwargs)
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env},
-                                         preexec_fn=die_with_parent)
         self.url = f"http://{self.host}:{port}"
         client = EngineClient(self.url, f"engine-{self.index}")
-        deadline = time.monotonic() + self.rollout.engine_start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine-{self.index} exited with code {self.proc.returncode} "
-                                   f"while starting; last lines of {self.log_path}:\n"
-                                   f"{log_tail(self.log_path)}")
+        timeout_s = self.rollout.engine_start_timeout_s
+        deadline = time.monotonic() + timeout_s
+
+        def healthy() -> bool:
             remaining = deadline - time.monotonic()
-            if client.health(timeout_s=max(1.0, min(self.rollout.health_check_timeout_s, remaining))):
-                return self.url
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"engine-{self.index} did not answer /health within "
-                           f"{self.rollout.engine_start_timeout_s:.0f}s "
-                           f"(rollout.engine_start_timeout_s); last lines of {self.log_path}:\n"
-                           f"{log_tail(self.log_path)}")
+            return client.health(timeout_s=max(1.0, min(self.rollout.health_check_timeout_s,
+                                                         remaining)))
+
+        self.proc = start_child(cmd, name=f"engine-{self.index}", log_path=self.log_path,
+                                ready=healthy, timeout_s=timeout_s, waits_for="/health",
+                                timeout_hint="rollout.engine_start_timeout_s", env=self.env,
+                                poll_s=0.2)
+        return self.url
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
