@@ -67,9 +67,9 @@ def _store(backend: str, master: dict | None, segment: int):
         return RayStore()
     import ray
 
-    from transfer.data.mooncake_store import MooncakeSettings, MooncakeStore
+    from transfer.data.mooncake_client import MooncakeSettings, open_store
 
-    return MooncakeStore(MooncakeSettings(
+    return open_store(MooncakeSettings(
         master_server_address=master["address"], metadata_server=master["metadata"],
         local_hostname=ray.util.get_node_ip_address(), global_segment_size=segment,
         local_buffer_size=64 << 20, chunk_bytes=CHUNK_BYTES, codec=backend.split("-")[1]))

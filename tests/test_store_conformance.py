@@ -16,7 +16,8 @@ from tests.test_codec import assert_same
 from tests.test_learner import make_batch
 from transfer.data.base import RolloutStore
 from transfer.data.mooncake_master import MooncakeMaster
-from transfer.data.mooncake_store import MooncakeSettings, MooncakeStore, StoreError
+from transfer.data.mooncake_client import MooncakeSettings, StoreError, open_store
+from transfer.data.mooncake_store import MooncakeStore
 
 BACKENDS = ["ray", "mooncake-packed", "mooncake-bundle"]
 
@@ -48,7 +49,7 @@ def make_store(backend: str, master_address=None, metadata=None, **kw) -> Rollou
 
         return RayStore()
     codec = backend.split("-")[1]
-    return MooncakeStore(MooncakeSettings(master_server_address=master_address,
+    return open_store(MooncakeSettings(master_server_address=master_address,
                                           metadata_server=metadata, local_hostname="127.0.0.1",
                                           codec=codec, chunk_bytes=kw.get("chunk_bytes", 1 << 20)))
 
@@ -159,7 +160,7 @@ def test_remove_is_idempotent_and_leaves_no_key(pair, master, ray_local):
 
 
 def test_bundle_limits_are_reported(master, segment_holder):
-    store = MooncakeStore(settings(master, codec="bundle"))
+    store = open_store(settings(master, codec="bundle"))
     try:
         with pytest.raises(StoreError, match="one row per sample"):
             store.put({"a": np.zeros(3), "b": np.zeros(0)}, key="conf/bundle-ragged-rows")
@@ -174,6 +175,7 @@ def test_many_chunks(master, segment_holder):
         ref = store.put(big, key="conf/chunks")
         assert len(ref.handle["keys"]) == (3 * 5000 * 4 + 64 + 4095) // 4096 + 1  # + manifest
         assert_same(big, store.get(ref))
+        assert set(store.get_timings_ms) == {"decode_ms"}  # the learner logs transfer/decode_ms
         store.remove([ref])
         assert keys_under(master, "conf/chunks") == []
     finally:

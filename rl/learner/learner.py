@@ -123,8 +123,7 @@ class Learner:
         metrics["transfer/get_ms"] = float(get_ms)
         metrics["transfer/get_gbps"] = sum(p.nbytes for p in ref.partitions) / 1e9 / max(
             float(get_ms) / 1e3, 1e-9)  # GB/s of payload
-        decode = getattr(self.store, "last_decode_ms", 0.0)
-        metrics["transfer/decode_ms"] = float(decode)
+        metrics.update({f"transfer/{k}": v for k, v in self.store.get_timings_ms.items()})
         metrics["train/step_time"] = time.perf_counter() - t0
         metrics["train/started_at"], metrics["train/finished_at"] = started, time.time()
         return metrics

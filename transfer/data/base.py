@@ -42,7 +42,8 @@ class StoreRef:
     handle: Any = None
     """Backend-specific payload locator (Ray: a one-element list holding the ObjectRef)."""
     timings_ms: dict[str, float] = field(default_factory=dict)
-    """Producer-side timings of this put (``put_ms``, ``encode_ms``)."""
+    """Producer-side timings of this put (``put_ms``, ``encode_ms``); the consumer side's
+    are the store's ``get_timings_ms``."""
 
 
 class RemovedError(LookupError):
@@ -52,6 +53,12 @@ class RemovedError(LookupError):
 @runtime_checkable
 class RolloutStore(Protocol):
     """Moves column dicts between processes. See the module docstring for the call order."""
+
+    backend: str
+    """Name written into every ``StoreRef`` (``ray``, ``mooncake``)."""
+    get_timings_ms: dict[str, float]
+    """Consumer-side timings of this process's last ``get`` beyond its wall time (e.g.
+    ``decode_ms``); empty when the backend has nothing to report apart from the get itself."""
 
     def put(self, columns: Columns, *, key: str) -> StoreRef:
         """Store ``columns`` under ``key``; return a ref once the data is readable."""

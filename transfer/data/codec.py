@@ -29,7 +29,7 @@ FORMAT = 1
 ALIGN = 64
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -54,7 +54,7 @@ def plan(columns: Columns) -> Plan:
     def reserve(nbytes: int, fill: Callable[[np.ndarray], None]) -> list[int]:
         nonlocal cursor
         at = cursor
-        cursor = _align(cursor + nbytes)
+        cursor = align(cursor + nbytes)
         writers.append(lambda payload, at=at, n=nbytes: fill(payload[at:at + n]))
         return [at, nbytes]
 

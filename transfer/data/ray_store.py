@@ -31,6 +31,7 @@ class RayStore:
         if not ray.is_initialized():
             raise RuntimeError("transfer=ray needs a running Ray (call ray.init first)")
         self._ray = ray
+        self.get_timings_ms: dict[str, float] = {}  # deserialising happens inside ray.get
 
     def put(self, columns: Columns, *, key: str) -> StoreRef:
         t0 = time.perf_counter()

@@ -1,0 +1,191 @@
+"""What both Mooncake stores share: the wheel import, one client's settings, its connection
+to the master, error codes turned into messages, and removing keys.
+
+``open_store(settings)`` returns the store of ``settings.codec``: ``packed``
+(``transfer.data.mooncake_store``, ours) or ``bundle`` (``transfer.data.mooncake_bundle_store``,
+Mooncake's own ``MooncakeBundleTransfer``, kept as the reference).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from transfer.data.base import RemovedError, RolloutStore
+from transfer.net import port_open
+
+# Mooncake ErrorCode values met on this path (mooncake-store/include/types.h).
+_ERRORS = {-10: "BUFFER_OVERFLOW", -200: "NO_AVAILABLE_HANDLE (segments full)",
+           -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
+           -800: "TRANSFER_FAIL", -900: "RPC_FAIL"}
+_NOT_FOUND = -704
+SETUP_KEYS = {"local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
+              "protocol", "rdma_devices", "master_server_addr", "ipc_socket_path",
+              "enable_ssd_offload", "ssd_offload_path", "tenant_id", "enable_client_http_server",
+              "client_http_port"}
+
+
+class StoreError(RuntimeError):
+    """A Mooncake Store operation failed."""
+
+
+class StoreRemovedError(StoreError, RemovedError):
+    """A get found no data under the ref's keys: removed already, or the learner holding
+    its segment closed."""
+
+
+def import_mooncake():
+    """``mooncake.store``, or an ImportError that says what to install."""
+    # Mooncake logs at INFO by default (several lines per client); keep warnings and errors
+    # unless the user asks for more. Read when the library loads.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    try:
+        from mooncake import store
+    except ImportError as e:
+        raise explain_import_error(e) from e
+    return store
+
+
+def explain_import_error(e: ImportError) -> ImportError:
+    msg = str(e)
+    if "libcuda" in msg:
+        return ImportError(
+            "the installed Mooncake wheel is a CUDA build and needs libcuda.so.1, which this "
+            "machine lacks: pip uninstall -y mooncake-transfer-engine mooncake-transfer-engine-cuda13 "
+            f"&& pip install mooncake-transfer-engine-non-cuda ({msg})")
+    if "libibverbs" in msg:
+        return ImportError(f"Mooncake needs libibverbs1: apt-get install -y libibverbs1 ({msg})")
+    if "No module named 'mooncake" in msg:
+        return ImportError(
+            "transfer=mooncake_* needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
+            "(machines without CUDA) or mooncake-transfer-engine-cuda13 (CUDA 13 images)")
+    return e
+
+
+def import_mooncake():
+    """``mooncake.store``, or an ImportError that says what to install."""
+    # Mooncake logs at INFO by default (several lines per client); keep warnings and errors
+    # unless the user asks for more. Read when the library loads.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    try:
+        from mooncake import store
+    except ImportError as e:
+        raise explain_import_error(e) from e
+    return store
+
+
+def explain_import_error(e: ImportError) -> ImportError:
+    msg = str(e)
+    if "libcuda" in msg:
+        return ImportError(
+            "the installed Mooncake wheel is a CUDA build and needs libcuda.so.1, which this "
+            "machine lacks: pip uninstall -y mooncake-transfer-engine mooncake-transfer-engine-cuda13 "
+            f"&& pip install mooncake-transfer-engine-non-cuda ({msg})")
+    if "libibverbs" in msg:
+        return ImportError(f"Mooncake needs libibverbs1: apt-get install -y libibverbs1 ({msg})")
+    if "No module named 'mooncake" in msg:
+        return ImportError(
+            "transfer=mooncake_* needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
+            "(machines without CUDA) or mooncake-transfer-engine-cuda13 (CUDA 13 images)")
+    return e
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """Connection settings of one client (plain values; the rl config resolves them)."""
+
+    master_server_address: str
+    metadata_server: str
+    local_hostname: str
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 0
+    """Bytes this client contributes to the store (0 = none: producers, drivers)."""
+    local_buffer_size: int = 64 << 20
+    chunk_bytes: int = 4 << 20
+    replica_num: int = 1
+    codec: str = "packed"
+    """``packed`` (``MooncakeStore``) or ``bundle`` (``MooncakeBundleStore``); see ``open_store``."""
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra ``setup`` keys; they override the fields above."""
+
+    def setup_config(self) -> dict[str, Any]:
+        cfg = {"local_hostname": self.local_hostname, "metadata_server": self.metadata_server,
+               "global_segment_size": self.global_segment_size,
+               "local_buffer_size": self.local_buffer_size, "protocol": self.protocol,
+               "rdma_devices": self.device_name, "master_server_addr": self.master_server_address}
+        cfg.update(self.init_kwargs)
+        return cfg
+
+
+def open_store(settings: MooncakeSettings) -> RolloutStore:
+    """A connected store client for ``settings.codec``."""
+    if settings.codec == "packed":
+        from transfer.data.mooncake_store import MooncakeStore
+
+        return MooncakeStore(settings)
+    if settings.codec == "bundle":
+        from transfer.data.mooncake_bundle_store import MooncakeBundleStore
+
+        return MooncakeBundleStore(settings)
+    raise ValueError(f"unknown Mooncake codec {settings.codec!r}; use packed or bundle")
+
+
+class MooncakeClient:
+    """One connected ``MooncakeDistributedStore`` and what every codec does with it."""
+
+    backend = "mooncake"
+
+    def __init__(self, settings: MooncakeSettings) -> None:
+        self.settings = settings
+        host, _, port = settings.master_server_address.rpartition(":")
+        if not port.isdigit() or not port_open(host, int(port), timeout_s=3.0):
+            raise StoreError(
+                f"Mooncake master at {settings.master_server_address!r} is unreachable: start one "
+                "(python -m transfer.data.mooncake_master --host <ip>) and export MOONCAKE_MASTER "
+                "on every node, or leave it unset on a single machine to start one automatically")
+        store = import_mooncake()
+        self.client = store.MooncakeDistributedStore()
+        rc = self.client.setup(settings.setup_config())
+        if rc != 0:
+            raise StoreError(f"Mooncake client setup failed (code {rc}) with master "
+                             f"{settings.master_server_address}, metadata {settings.metadata_server}, "
+                             f"protocol {settings.protocol!r}, device {settings.device_name!r}")
+        self.replicate = store.ReplicateConfig()
+        self.replicate.replica_num = settings.replica_num
+        self.get_timings_ms: dict[str, float] = {}
+        self.closed = False
+
+    def _check_ref(self, ref) -> None:
+        if ref.backend != self.backend:
+            raise ValueError(f"ref {ref.key!r} was written by {ref.backend!r}, not by mooncake")
+
+    def _fail(self, what: str, rc: int, error: type[StoreError] = StoreError) -> StoreError:
+        name = _ERRORS.get(rc, "error")
+        hint = ""
+        if rc == -200:
+            hint = ("; the store's segments are full: raise transfer.global_segment_size "
+                    "(each contributing learner node adds one segment)")
+        return error(f"Mooncake store (master {self.settings.master_server_address}): "
+                     f"{what} failed with code {rc} {name}{hint}")
+
+    def _remove_keys(self, keys: list[str], strict: bool) -> None:
+        if not keys:
+            return
+        # force: a key is leased for a while after each read; remove may not wait for it
+        rcs = self.client.batch_remove(list(keys), True)
+        bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, _NOT_FOUND)]
+        if bad and strict:
+            raise self._fail(f"remove of {bad[0][0]!r}", bad[0][1])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._release()
+        self.client.close()
+
+    def _release(self) -> None:
+        """Codec-specific cleanup before the client closes."""
+
