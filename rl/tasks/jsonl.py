@@ -14,7 +14,7 @@ from rl.tasks import Prompt
 
 class JsonlTask:
     def __init__(self, path: str, reward: dict[str, Any], seed: int = 0) -> None:
-        self.rows = _read_rows(path)
+        self.rows = read_rows(path)
         kwargs = {k: v for k, v in reward.items() if k != "_target_"}
         fn = get_method(reward["_target_"])
         self._reward = lambda response, label: float(fn(response, label, **kwargs))
@@ -43,18 +43,46 @@ class JsonlTask:
         self.position = int(state["position"])
 
 
-def _read_rows(path: str) -> list[tuple[str, str]]:
+def read_rows(path: str) -> list[tuple[str, str]]:
+    """Every ``(prompt, label)`` of a JSONL file, blank lines skipped. The one parser of the
+    format: the driver runs it to check the file before any worker starts (``task.path``),
+    the rollout manager to load it. A ValueError names the file, the line and what is wrong."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
-                rows.append((str(row["prompt"]), str(row["label"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"label\": ...}} "
-                                 f"({e})") from None
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text ({e})") from None
+            if line.strip():
+                rows.append(_parse_row(line, where))
     if not rows:
-        raise ValueError(f"{path} holds no prompts")
+        raise ValueError(f"{path} holds no prompts (the file is empty or blank); write one "
+                         f"{_SHAPE} per line")
     return rows
+
+
+_SHAPE = '{"prompt": "...", "label": "..."}'
+
+
+def _parse_row(line: str, where: str) -> tuple[str, str]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e}); expected {_SHAPE}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object {_SHAPE}, got a {type(row).__name__}")
+    for key in ("prompt", "label"):
+        if key not in row:
+            raise ValueError(f"{where}: missing {key!r}; expected {_SHAPE}")
+    prompt, label = row["prompt"], row["label"]
+    if not isinstance(prompt, str):
+        raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__} {prompt!r}")
+    if not prompt:
+        raise ValueError(f"{where}: 'prompt' is empty")
+    # A number is a fine label (an answer such as 42): rewards compare text, so it becomes one.
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+        raise ValueError(f"{where}: 'label' must be a string or a number, got "
+                         f"{type(label).__name__} {label!r}")
+    return prompt, str(label)

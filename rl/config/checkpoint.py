@@ -1,0 +1,28 @@
+"""``checkpoint``: when and where to save, and what to resume from (a plain field of the
+root config, not a group: there is one kind)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 50
+    """Save model, optimizer, step and data position every this many steps (0 = never)."""
+    dir: Optional[str] = None
+    """Where to save; unset = ``<run output dir>/checkpoints``."""
+    resume: Optional[str] = None
+    """A checkpoint directory (``.../checkpoints/step_000050``) to resume from."""
+    keep_last: int = 2
+    """Checkpoints kept on disk (older ones are deleted)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep_last <= 0:
+            raise ValueError("checkpoint.every must be >= 0 and checkpoint.keep_last > 0")
+        if self.resume is not None and not os.path.exists(
+                os.path.join(os.path.expanduser(self.resume), "trainer_state.json")):
+            raise ValueError(f"checkpoint.resume={self.resume!r} is not a checkpoint "
+                             "(no trainer_state.json there)")

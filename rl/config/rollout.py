@@ -1,0 +1,155 @@
+"""``rollout`` group: sampling settings shared by every engine, and one schema per engine
+kind (``hf``: the CPU engine, ``sglang``), each knowing the command that starts it and what
+it needs of the placement (``check_cluster``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from omegaconf import MISSING
+
+from rl.config.checks import positive
+
+if TYPE_CHECKING:
+    from rl.config.cluster import ClusterConfig
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    _group = "rollout"
+    name: str = MISSING
+    """Engine kind: ``hf`` (CPU engine) or ``sglang``."""
+    prompts_per_step: int = 32
+    """Prompts drawn per training step."""
+    n_samples_per_prompt: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = 8
+    """Longest response in tokens."""
+    max_prompt_tokens: int = 1024
+    """Longest prompt in tokens (a longer one is an error); also sizes store capacity checks."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are of the tempered distribution, on both sides)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    request_timeout_s: float = 300.0
+    """Bound on one generate request."""
+    engine_start_timeout_s: float = 180.0
+    """Bound on an engine becoming healthy; its log tail is reported when exceeded."""
+    health_check_timeout_s: float = 30.0
+    """Bound on one ``/health`` answer (SGLang answers 503 while loading, and may run a
+    one-token generation and sleep 1 s before answering 200)."""
+    fully_async: bool = False
+    """``train_async.py`` only: engines generate continuously into a bounded queue instead of
+    one batch ahead (weight syncs pause and continue them)."""
+    max_inflight_batches: int = 2
+    """Fully async: batches generated or being generated and not yet trained on; it bounds
+    the batches held in the store, and a sample's staleness to this minus one."""
+    pause_mode: str = "retract"
+    """How engines pause for a weight sync (SGLang's ``pause_generation`` mode): ``retract``
+    or ``in_place``; requests in flight are kept either way."""
+
+    def __post_init__(self) -> None:
+        positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "max_prompt_tokens",
+                  "request_timeout_s", "engine_start_timeout_s", "health_check_timeout_s")
+        if self.max_inflight_batches < 1:
+            raise ValueError(f"rollout.max_inflight_batches={self.max_inflight_batches}: the queue "
+                             f"needs room for at least 1 batch (2 or more lets generation overlap training)")
+        if self.pause_mode not in ("retract", "in_place"):
+            raise ValueError(f"rollout.pause_mode={self.pause_mode!r}: use 'retract' or 'in_place' "
+                             f"('abort' would end the requests in flight)")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.n_samples_per_prompt
+
+    def sampling_params(self) -> dict:
+        """The ``sampling_params`` of every generate request (SGLang's field names)."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k}
+
+    def server_command(self, model_path: str, host: str, port: int, index: int,
+                       seed: int, gpus: int, dtype: str = "float32") -> list[str]:
+        """The command that starts engine ``index`` (an HTTP server on ``host:port``).
+        ``dtype``: the engine's weight and compute dtype, ``model.dtype`` (the learner's), so
+        that the engines sample with the weights the learner trains, bit for bit."""
+        raise NotImplementedError
+
+    def check_cluster(self, cluster: "ClusterConfig") -> None:
+        """Cross-check with the placement (called by the root config): what this engine
+        kind needs of ``cluster.gpus_per_engine``."""
+
+
+@dataclass(kw_only=True)
+class HFRolloutConfig(RolloutConfig):
+    name: str = "hf"
+    max_batch_size: int = 256
+    """Most requests the CPU engine decodes together."""
+    batch_wait_ms: float = 5.0
+    """How long the engine waits for more requests before starting a batch."""
+    device: str = "cpu"
+    """Device of the CPU engine's model (``cpu``; ``cuda`` works where available)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "max_batch_size")
+
+    def server_command(self, model_path: str, host: str, port: int, index: int,
+                       seed: int, gpus: int, dtype: str = "float32") -> list[str]:
+        import sys
+
+        return [sys.executable, "-m", "rl.rollout.engines.hf_server", "--model-path", model_path,
+                "--host", host, "--port", str(port), "--seed", str(seed + 1000 * index),
+                "--max-batch-size", str(self.max_batch_size),
+                "--batch-wait-ms", str(self.batch_wait_ms), "--device", self.device,
+                "--dtype", dtype]
+
+    def check_cluster(self, cluster: "ClusterConfig") -> None:
+        if cluster.gpus_per_engine:
+            raise ValueError("rollout=hf runs one process per engine; set cluster.gpus_per_engine=0 "
+                             "or use rollout=sglang")
+
+
+@dataclass(kw_only=True)
+class SGLangRolloutConfig(RolloutConfig):
+    name: str = "sglang"
+    engine_start_timeout_s: float = 900.0
+    mem_fraction_static: float = 0.8
+    """Fraction of GPU memory SGLang takes for weights and KV cache."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further ``sglang.launch_server`` arguments, passed through as given."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"rollout.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if any(str(a) == "--dtype" or str(a).startswith("--dtype=") for a in self.extra_args):
+            raise ValueError("rollout.extra_args: --dtype is set from model.dtype (the engines "
+                             "sample in the learner's dtype); set model.dtype instead")
+
+    def server_command(self, model_path: str, host: str, port: int, index: int,
+                       seed: int, gpus: int, dtype: str = "float32") -> list[str]:
+        import sys
+
+        # SGLang is imported nowhere in this project: it only runs in the engine process.
+        # --dtype: SGLang 0.5.23 accepts float32, bfloat16 and float16 as model.dtype spells
+        # them; its default (auto) would run a float32 checkpoint in float16.
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                "--host", host, "--port", str(port), "--tp-size", str(gpus),
+                "--mem-fraction-static", str(self.mem_fraction_static),
+                "--random-seed", str(seed + 1000 * index), "--dtype", dtype, *self.extra_args]
+
+    def check_cluster(self, cluster: "ClusterConfig") -> None:
+        if cluster.gpus_per_engine < 1:
+            raise ValueError("rollout=sglang needs GPUs: set cluster.gpus_per_engine (its tensor-"
+                             "parallel size) to 1 or more")
+
+
+SCHEMAS: dict[str, type] = {"hf": HFRolloutConfig, "sglang": SGLangRolloutConfig}
+"""Schema of each engine kind (``schema/rollout/<key>``)."""

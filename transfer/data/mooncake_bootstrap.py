@@ -1,0 +1,180 @@
+"""Everything a Mooncake run settles on the driver before any worker starts, and the
+settings each client is then built with.
+
+* ``start_services``: import the wheel (a wrong one is reported now, not in a worker),
+  resolve the protocol and device with their ``MOONCAKE_*`` fallbacks, refuse an RDMA
+  device this machine lacks and a loopback hostname on several nodes, check that the
+  segments hold what the run keeps in the store at once, and find or start the master (a
+  local one on 127.0.0.1 when no address is given on a single machine).
+* ``client_settings``: one client's ``MooncakeSettings`` from what ``start_services``
+  resolved and this process's own environment (read on each node).
+* ``parse_init_kwargs``: the extra ``setup`` keys, checked against what Mooncake knows.
+
+Plain values in, plain values out: no config object, no ``Runtime`` (``transfer`` imports
+nothing from ``rl``). Error messages name the settings as a user of the trainer sets them
+(``transfer.<field>``, ``transfer=mooncake_tcp``), since that is where the fix goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+from transfer.units import human_size, parse_size
+
+PROTOCOLS = ("tcp", "rdma")
+
+
+def resolve_protocol(protocol: Optional[str]) -> str:
+    """``protocol``, else env MOONCAKE_PROTOCOL, else tcp."""
+    proto = protocol or os.environ.get("MOONCAKE_PROTOCOL") or "tcp"
+    if proto not in PROTOCOLS:
+        raise ValueError(f"MOONCAKE_PROTOCOL={proto!r}: use tcp or rdma")
+    return proto
+
+
+def resolve_device(device_name: Optional[str]) -> str:
+    """``device_name``, else env MOONCAKE_DEVICE, else none."""
+    return device_name or os.environ.get("MOONCAKE_DEVICE") or ""
+
+
+def resolve_hostname(local_hostname: Optional[str], default: str) -> str:
+    """``local_hostname``, else env MOONCAKE_LOCAL_HOSTNAME, else ``default`` (the node IP)."""
+    return local_hostname or os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or default
+
+
+def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches_held: int,
+                   master_server_address: Optional[str], metadata_server: Optional[str],
+                   local_hostname: Optional[str], protocol: Optional[str],
+                   device_name: Optional[str], global_segment_size: int, replica_num: int,
+                   master_start_timeout_s: float
+                   ) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
+    """Check the environment and capacity, then find or start the master. Returns the
+    resolved addresses (``master_server_address``, ``metadata_server``, and for a local
+    master ``admin_url`` and ``master_pid``) and a stop function (None for an external one)."""
+    from transfer.data.mooncake_store import import_mooncake
+
+    import_mooncake()  # a missing or wrong wheel is reported here, before workers start
+    check_environment(num_nodes=num_nodes, local_hostname=local_hostname, protocol=protocol,
+                      device_name=device_name)
+    check_capacity(global_segment_size=global_segment_size, bytes_per_step=bytes_per_step,
+                   batches_held=batches_held, replica_num=replica_num)
+    master = master_server_address or os.environ.get("MOONCAKE_MASTER")
+    if master:
+        metadata = (metadata_server or os.environ.get("MOONCAKE_METADATA_SERVER")
+                    or f"http://{master.rpartition(':')[0]}:8080/metadata")
+        return {"master_server_address": master, "metadata_server": metadata}, None
+    if num_nodes > 1:
+        raise ValueError(
+            f"transfer=mooncake_*: no master address and the Ray cluster has {num_nodes} "
+            "nodes. Start a master on one node: python -m transfer.data.mooncake_master "
+            "--host <that node's IP>, then export MOONCAKE_MASTER=<ip>:50051 and "
+            "MOONCAKE_METADATA_SERVER=http://<ip>:8080/metadata on every node before `ray start`")
+    from transfer.data.mooncake_master import MooncakeMaster
+
+    m = MooncakeMaster("127.0.0.1", log_path=os.path.join(log_dir, "mooncake_master.log"))
+    m.start(timeout_s=master_start_timeout_s)
+    print(f"[mooncake] started a local master (pid {m.proc.pid}) at {m.address}; "
+          f"log {m.log_path}", flush=True)
+    return {"master_server_address": m.address, "metadata_server": m.metadata_server,
+            "admin_url": m.admin_url, "master_pid": str(m.proc.pid)}, m.stop
+
+
+def check_environment(*, num_nodes: int, local_hostname: Optional[str], protocol: Optional[str],
+                      device_name: Optional[str]) -> None:
+    """RDMA needs a device (and, on this machine, an RDMA card); other nodes cannot reach a
+    loopback hostname."""
+    device = resolve_device(device_name)
+    if resolve_protocol(protocol) == "rdma":
+        if not device:
+            raise ValueError("transfer protocol rdma needs a device: set transfer.device_name "
+                             "(e.g. mlx5_0) or export MOONCAKE_DEVICE on every node before "
+                             "`ray start`; or use transfer=mooncake_tcp")
+        if num_nodes == 1 and not _rdma_devices():
+            raise ValueError(f"transfer protocol rdma: this machine has no RDMA device "
+                             f"(/sys/class/infiniband is empty), {device!r} cannot work; "
+                             "use transfer=mooncake_tcp")
+    host = local_hostname or os.environ.get("MOONCAKE_LOCAL_HOSTNAME")
+    if num_nodes > 1 and host and _is_loopback(host):
+        raise ValueError(f"transfer.local_hostname={host!r} is a loopback address but the Ray "
+                         f"cluster has {num_nodes} nodes: other nodes cannot reach it; unset it "
+                         "(the Ray node IP is used) or give this node's routable address")
+
+
+def check_capacity(*, global_segment_size: int, bytes_per_step: int, batches_held: int,
+                   replica_num: int) -> None:
+    """The segments must hold every batch kept at once, in every replica (a full store
+    fails a put mid-run, after minutes of work)."""
+    need = bytes_per_step * batches_held * replica_num
+    if global_segment_size < need:
+        held = "one step's rollout batch" if batches_held == 1 else \
+            f"{batches_held} rollout batches held at once (generation runs ahead)"
+        raise ValueError(f"transfer.global_segment_size={global_segment_size} bytes is too "
+                         f"small: {held} need about {need} bytes ({replica_num} "
+                         f"replica(s)); set transfer.global_segment_size={human_size(need * 2)} or more")
+
+
+def client_settings(services: Mapping[str, str], *, default_hostname: str,
+                    local_hostname: Optional[str], protocol: Optional[str],
+                    device_name: Optional[str], global_segment_size: int,
+                    local_buffer_size: int, chunk_bytes: int, replica_num: int, codec: str,
+                    init_kwargs: Mapping[str, Any]):
+    """Settings of one client. ``services``: what ``start_services`` returned on the
+    driver; ``default_hostname``: this node's address; ``global_segment_size``: what this
+    client lends (0 = none)."""
+    from transfer.data.mooncake_store import MooncakeSettings
+
+    if "master_server_address" not in services:
+        raise RuntimeError("the Mooncake master is not resolved: start_services() runs first")
+    return MooncakeSettings(
+        master_server_address=services["master_server_address"],
+        metadata_server=services["metadata_server"],
+        local_hostname=resolve_hostname(local_hostname, default_hostname),
+        protocol=resolve_protocol(protocol), device_name=resolve_device(device_name),
+        global_segment_size=global_segment_size, local_buffer_size=local_buffer_size,
+        chunk_bytes=chunk_bytes, replica_num=replica_num, codec=codec,
+        init_kwargs=dict(init_kwargs))
+
+
+def parse_init_kwargs(value: Any) -> dict[str, Any]:
+    """Extra client ``setup`` keys, a mapping or a JSON string -> a checked dict (sizes in bytes)."""
+    from transfer.data.mooncake_store import SETUP_KEYS
+
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"transfer.init_kwargs is not valid JSON ({e}): {value!r}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"transfer.init_kwargs must be a mapping or a JSON object, got {value!r}")
+    unknown = sorted(set(value) - SETUP_KEYS)
+    if unknown:
+        raise ValueError(f"transfer.init_kwargs: unknown Mooncake setup keys {unknown}; "
+                         f"known: {sorted(SETUP_KEYS)}")
+    out = dict(value)
+    for k in ("global_segment_size", "local_buffer_size"):
+        if k in out:
+            out[k] = parse_size(out[k], f"transfer.init_kwargs.{k}")
+    for k in ("enable_ssd_offload", "enable_client_http_server"):
+        if k in out and not isinstance(out[k], bool):
+            raise ValueError(f"transfer.init_kwargs.{k}={out[k]!r} must be true or false")
+    if "client_http_port" in out and (isinstance(out["client_http_port"], bool)
+                                      or not isinstance(out["client_http_port"], int)):
+        raise ValueError(f"transfer.init_kwargs.client_http_port={out['client_http_port']!r} "
+                         "must be an integer")
+    return out
+
+
+def _rdma_devices() -> list[str]:
+    try:
+        return os.listdir("/sys/class/infiniband")
+    except OSError:
+        return []
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
