@@ -4,13 +4,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Exact versions of every package of the CPU environment; `make lock` regenerates it.
+LOCK := constraints-cpu.txt
+EXTRAS := cpu,test,sglang-contract
 # The one pinned SGLang release (rl/rollout/sglang_version.py), for the contract tests.
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' rl/rollout/sglang_version.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: venv train test test-fast bench-transfer clean
+.PHONY: venv train test test-fast lint lock bench-transfer clean
 
-$(STAMP): pyproject.toml rl/rollout/sglang_version.py
+$(STAMP): pyproject.toml rl/rollout/sglang_version.py $(LOCK)
 	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } || true
 	@[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] \
 		|| { apt-get update -qq && apt-get install -y -qq libibverbs1; } \
@@ -18,12 +21,23 @@ $(STAMP): pyproject.toml rl/rollout/sglang_version.py
 	[ -x $(BIN)/python ] || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[cpu,test,sglang-contract]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q -c $(LOCK) torch
+	$(BIN)/pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
 	# SGLang's own code for the contract tests (tests/sglang_release.py), without its GPU
 	# dependencies: the extra above holds what its CPU-importable modules need.
 	$(BIN)/pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
 	touch $(STAMP)
+
+# Resolve pyproject.toml afresh in a scratch venv and write the exact versions to $(LOCK).
+lock:
+	rm -rf .lock-venv && $(PY) -m venv .lock-venv
+	.lock-venv/bin/pip install -q --upgrade pip
+	.lock-venv/bin/pip install -q torch==2.13.0
+	.lock-venv/bin/pip install -q ".[$(EXTRAS)]"
+	{ echo "# make lock: the CPU environment the tests passed with (torch from its CPU wheel;"; \
+	  echo "# sglang==$(SGLANG_VERSION) is installed --no-deps on top, see the Makefile)."; \
+	  .lock-venv/bin/pip freeze --exclude-editable | grep -v '^rl-datapath'; } > $(LOCK)
+	rm -rf .lock-venv
 
 venv: $(STAMP)
 
@@ -31,8 +45,11 @@ train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-$$( [ -n "$$WANDB_API_KEY" ] && echo online || echo offline )} \
 		$(BIN)/python train.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
