@@ -88,6 +88,8 @@ def test_sizes(value, expected):
     ("rollout.max_inflight_batches=0", "rollout.max_inflight_batches=0: the queue needs room"),
     ("rollout.pause_mode=abort", "'abort' would end the requests in flight"),
     (("cluster.gpus_per_learner=1", "cluster.colocate=true"), "cluster.colocate=true with GPUs"),
+    ("cluster.gpus_per_engine=1", "rollout=hf runs one process per engine"),
+    ("rollout=sglang", "rollout=sglang needs GPUs: set cluster.gpus_per_engine"),
 ])
 def test_bad_values_name_the_field(override, fragment):
     with pytest.raises(ValueError, match=None) as e:
@@ -119,11 +121,11 @@ def test_unknown_option_is_rejected():
     assert "task/nope" in str(e.value) or "nope" in str(e.value)
 
 
-def _run_train(*args: str, timeout: float = 30, script: str = "train.py"
+def _run_train(*args: str, timeout: float = 30, script: str = "train.py", env: dict | None = None
                ) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
     return proc, time.monotonic() - t0
 
 
@@ -156,6 +158,27 @@ def test_train_async_rejects_bad_input_before_workers_start(args, fragment):
     assert fragment in proc.stderr + proc.stdout
     assert "[cluster]" not in proc.stdout and "[run]" not in proc.stdout  # nothing was started
     assert seconds < 20
+
+
+@pytest.mark.parametrize("lines,fragment", [
+    (['{"prompt": "a:", "label": "aaaa"}', '{"prompt": "b:", "label": "bbbb"'], "prompts.jsonl:2: not valid JSON"),
+    (['{"prompt": "a:", "label": "aaaa"}'] * 3 + ['{"prompt": "d:"}'], "prompts.jsonl:4: missing 'label'"),
+    (['{"prompt": 7, "label": "7"}'], "prompts.jsonl:1: 'prompt' must be a string"),
+    ([], "prompts.jsonl holds no prompts"),
+])
+def test_cli_names_a_bad_jsonl_line_before_ray_starts(lines, fragment, tmp_path):
+    """The whole task file is read in the driver: a bad line ends the run in about a second,
+    naming the file and line, and no Ray (hence no engine, no learner) was started."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(line + "\n" for line in lines))
+    ray_tmp = tmp_path / "ray"  # a started Ray would create its session directory here
+    proc, seconds = _run_train("task=jsonl", f"task.path={data}", f"output_dir={tmp_path / 'out'}",
+                               env={"RAY_TMPDIR": str(ray_tmp)})
+    out = proc.stderr + proc.stdout
+    assert proc.returncode != 0
+    assert f"task.path: {data}" in out and fragment in out, out[-2000:]
+    assert "[cluster]" not in proc.stdout and not ray_tmp.exists()
+    assert seconds < 5, seconds
 
 
 def test_cli_help_is_fast():

@@ -132,6 +132,25 @@ def test_no_master_on_several_nodes_says_what_to_start(tmp_path, monkeypatch):
                                     bytes_per_step=1 << 20)
 
 
+def test_bootstrap_takes_plain_values_and_imports_nothing_from_rl():
+    """The bootstrap sits in the transfer layer: plain values in, no ``rl`` module loaded."""
+    code = ("import sys\n"
+            "from transfer.data import mooncake_bootstrap as b\n"
+            "b.check_capacity(global_segment_size=16 << 20, bytes_per_step=8 << 20, batches_held=1,"
+            " replica_num=2)\n"
+            "try:\n"
+            "    b.check_capacity(global_segment_size=16 << 20, bytes_per_step=8 << 20,"
+            " batches_held=1, replica_num=3)\n"
+            "except ValueError as e:\n"
+            "    print(e)\n"
+            "print(b.parse_init_kwargs('{\"local_buffer_size\": \"2mb\"}'))\n"
+            "print(sorted(m for m in sys.modules if m == 'rl' or m.startswith('rl.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert "set transfer.global_segment_size=48mb or more" in out[0], out
+    assert out[1:] == ["{'local_buffer_size': 2097152}", "[]"], out
+
+
 @pytest.mark.parametrize("message,fragment", [
     ("libcuda.so.1: cannot open shared object file", "pip install mooncake-transfer-engine-non-cuda"),
     ("libibverbs.so.1: cannot open shared object file", "apt-get install -y libibverbs1"),

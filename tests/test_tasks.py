@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rl.tasks.builtin import AdditionTask, RepeatLetterTask
-from rl.tasks.jsonl import JsonlTask
+from rl.tasks.jsonl import JsonlTask, read_rows
 from rl.tasks.rewards import exact_match, math_answer
 
 
@@ -63,6 +63,33 @@ def test_jsonl_bad_line_is_located(tmp_path):
     path.write_text('{"prompt": "a"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         JsonlTask(str(path), {"_target_": "rl.tasks.rewards.exact_match"})
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b'{"prompt": "a:", "label": "aaaa"}\n{"prompt": "b:", "label": "bbbb"\n',
+     "bad.jsonl:2: not valid JSON"),
+    (b'\n{"label": "x"}\n', "bad.jsonl:2: missing 'prompt'"),
+    (b'{"prompt": "a:"}\n', "bad.jsonl:1: missing 'label'"),
+    (b'["a:", "aaaa"]\n', "bad.jsonl:1: expected a JSON object"),
+    (b'{"prompt": ["a:"], "label": "aaaa"}\n', "bad.jsonl:1: 'prompt' must be a string, got list"),
+    (b'{"prompt": "", "label": "aaaa"}\n', "bad.jsonl:1: 'prompt' is empty"),
+    (b'{"prompt": "a:", "label": null}\n', "bad.jsonl:1: 'label' must be a string or a number"),
+    (b'{"prompt": "a:", "label": "x"}\n{"prompt": "\xff", "label": "x"}\n', "bad.jsonl:2: not UTF-8"),
+    (b"", "bad.jsonl holds no prompts"),
+    (b"\n  \n", "bad.jsonl holds no prompts"),
+])
+def test_jsonl_errors_name_file_line_and_fault(tmp_path, content, fragment):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        read_rows(str(path))
+    assert fragment in str(e.value)
+
+
+def test_jsonl_number_labels_become_text(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "label": 2}\n{"prompt": "x", "label": 0.5}\n')
+    assert read_rows(str(path)) == [("1+1=", "2"), ("x", "0.5")]
 
 
 def test_reward_kwargs_and_math():
