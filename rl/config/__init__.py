@@ -14,7 +14,7 @@ dependencies lazily.
 
 A new backend of a group: a subclass in that group's module (or a module of its own beside
 it, for a long one), one entry in its ``SCHEMAS``, and a YAML under ``conf/<group>/`` whose
-``defaults`` name ``/schema/<group>/<key>``.
+``defaults`` start with ``/schema/<group>/<key>@_here_``.
 """
 
 from __future__ import annotations
