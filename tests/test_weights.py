@@ -173,7 +173,7 @@ def test_engine_dying_during_a_sync_fails_fast_naming_it(ray_module, tmp_path):
     finally:
         t0 = time.monotonic()
         cluster.shutdown()
-        assert time.monotonic() - t0 < 90
+        assert time.monotonic() - t0 < 30  # every rank left the push: nothing waits for a timeout
 
 
 @pytest.mark.parametrize("args,fragment", [

@@ -80,12 +80,25 @@ class BroadcastSync:
         t0 = time.perf_counter()
         sent = 0
         gathered = ((name, full_tensor(p)) for name, p in named_params)  # collective
+        failure: Exception | None = None
         try:
             if self.receivers:  # ranks without engines only take part in the gather
-                self._on_engines("begin_weight_update")
+                try:
+                    self._on_engines("begin_weight_update")
+                except Exception as e:
+                    failure = e
             for bucket in iter_buckets(gathered, self.bucket_bytes):
-                if self.receivers:
+                if not self.receivers or failure is not None:
+                    # After a failure this rank keeps gathering without sending: the other
+                    # learner ranks wait in the same FSDP all-gathers and would otherwise hang
+                    # there until the process-group timeout (30 min), holding the run open.
+                    continue
+                try:
                     sent += self._send_bucket(bucket, version)
+                except Exception as e:
+                    failure = e
+            if failure is not None:
+                raise failure
         except BaseException:
             if self.receivers:
                 self._end_sessions_after_failure()
