@@ -63,34 +63,6 @@ def explain_import_error(e: ImportError) -> ImportError:
     return e
 
 
-def import_mooncake():
-    """``mooncake.store``, or an ImportError that says what to install."""
-    # Mooncake logs at INFO by default (several lines per client); keep warnings and errors
-    # unless the user asks for more. Read when the library loads.
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    try:
-        from mooncake import store
-    except ImportError as e:
-        raise explain_import_error(e) from e
-    return store
-
-
-def explain_import_error(e: ImportError) -> ImportError:
-    msg = str(e)
-    if "libcuda" in msg:
-        return ImportError(
-            "the installed Mooncake wheel is a CUDA build and needs libcuda.so.1, which this "
-            "machine lacks: pip uninstall -y mooncake-transfer-engine mooncake-transfer-engine-cuda13 "
-            f"&& pip install mooncake-transfer-engine-non-cuda ({msg})")
-    if "libibverbs" in msg:
-        return ImportError(f"Mooncake needs libibverbs1: apt-get install -y libibverbs1 ({msg})")
-    if "No module named 'mooncake" in msg:
-        return ImportError(
-            "transfer=mooncake_* needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
-            "(machines without CUDA) or mooncake-transfer-engine-cuda13 (CUDA 13 images)")
-    return e
-
-
 @dataclass(frozen=True)
 class MooncakeSettings:
     """Connection settings of one client (plain values; the rl config resolves them)."""
