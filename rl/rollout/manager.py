@@ -1,10 +1,10 @@
 """RolloutManager: turns prompts into a stored, partitioned training batch.
 
-Per step: draw prompts from the task, send ``n_samples_per_prompt`` requests per prompt
-(concurrently, through one SGLang-protocol client pool), score each response, compute
-GRPO advantages, build a ``RolloutBatch``, split it over the learner ranks balanced by
-token count, ``put`` each partition into the store and return a small ``RolloutRef``.
-The batch itself never goes back to the driver.
+Per step: draw prompts from the task, send one request per prompt for its
+``n_samples_per_prompt`` samples (all at once, through one SGLang-protocol client pool),
+score each response, compute GRPO advantages, build a ``RolloutBatch``, split it over the
+learner ranks balanced by token count, ``put`` each partition into the store and return a
+small ``RolloutRef``. The batch itself never goes back to the driver.
 
 Fully async (``train_async.py rollout.fully_async=true``): ``start_stream`` generates batch
 after batch on a thread into a queue bounded by ``rollout.max_inflight_batches``; the driver
@@ -144,9 +144,6 @@ class RolloutManager:
         return refs
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def remove(self, refs) -> None:
-        self.store.remove(refs)
-
     def state_dict(self) -> dict:
         with self._lock:
             return {"task": self.task.state_dict(), "next_sample_id": self.next_sample_id}
@@ -313,38 +310,49 @@ class Stream:
 async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int, sampling: dict,
                           timeout_s: float, label: str = "",
                           stop: threading.Event | None = None) -> list[list[dict]]:
-    """``n`` samples per prompt, all requests in flight at once; answers grouped by prompt.
-    ``stop`` set by another thread cancels every request and raises ``Stopped``."""
+    """``n`` samples per prompt, one request per prompt (``sampling_params.n``), all in
+    flight at once; answers grouped by prompt. ``stop`` set by another thread cancels every
+    request and raises ``Stopped``.
+
+    One request per prompt rather than per sample: 64 x 8 separate requests spent most of a
+    default step's generation in HTTP and batching overhead (docs/benchmarks.md). SGLang
+    expands ``n`` into ``n`` scheduler requests with their own ids
+    (``tokenizer_manager._handle_batch_request``), so retract, pause and the abort on a
+    dropped connection still act on each sample, and each answer carries its own
+    ``weight_version``; a request per prompt (not one per batch) keeps SGLang's prefix
+    warm-up of each prompt concurrent, where a batch with ``n > 1`` runs them one by one."""
     import aiohttp
 
     total, done = len(prompt_ids) * n, 0
     t0 = last_print = time.perf_counter()
+    params = {**sampling, "n": n}
 
-    async def one(session, input_ids: list[int]) -> dict:
+    async def one(session, input_ids: list[int]) -> list[dict]:
         nonlocal done, last_print
-        out = await pool.generate(session, {"input_ids": input_ids, "sampling_params": sampling,
+        out = await pool.generate(session, {"input_ids": input_ids, "sampling_params": params,
                                             "return_logprob": True}, timeout_s)
-        done += 1
+        group = out if isinstance(out, list) else [out]  # n == 1 answers one object
+        if len(group) != n:
+            raise RuntimeError(f"engine answered {len(group)} samples for a request of n={n}")
+        done += n
         now = time.perf_counter()
         if now - last_print > 5.0:  # long generations (real models) show progress
             last_print = now
             print(f"[rollout] {label}: {done}/{total} samples, {now - t0:.0f}s", flush=True)
-        return out
+        return group
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = [[asyncio.ensure_future(one(session, ids)) for _ in range(n)] for ids in prompt_ids]
-        everything = asyncio.gather(*(t for group in tasks for t in group))
+        tasks = [asyncio.ensure_future(one(session, ids)) for ids in prompt_ids]
+        everything = asyncio.gather(*tasks)
         try:
             while stop is not None and not everything.done():
                 await asyncio.wait([everything], timeout=0.1)
                 if stop.is_set():
                     raise Stopped
-            await everything
-            return [[t.result() for t in group] for group in tasks]
+            return await everything
         finally:  # one failed request ends the gather but not its siblings: cancel each
-            for group in tasks:
-                for t in group:
-                    t.cancel()
+            for t in tasks:
+                t.cancel()
 
 
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:

@@ -103,12 +103,13 @@ class BatchScheduler:
     def _loop(self) -> None:
         while True:
             items = [self.queue.get()]
-            deadline = time.monotonic() + self.batch_wait_s
+            # The batch closes after a quiet gap of batch_wait_s, not batch_wait_s after its
+            # first request: a burst (a rollout step sends every prompt at once) arrives
+            # over longer than one gap when the HTTP loop is slow, and a batch cut in two
+            # runs two decode loops one after the other.
             while len(items) < self.max_batch_size:
-                remaining = deadline - time.monotonic()
                 try:
-                    items.append(self.queue.get(timeout=max(remaining, 0)) if remaining > 0
-                                 else self.queue.get_nowait())
+                    items.append(self.queue.get(timeout=self.batch_wait_s))
                 except queue.Empty:
                     break
             with self._state:
