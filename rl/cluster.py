@@ -190,9 +190,6 @@ class RolloutHandle:
         except Exception as e:
             print(f"[run] could not discard an unconsumed rollout batch: {e}", flush=True)
 
-    def remove(self, refs) -> None:
-        self._ray.get(self.actor.remove.remote(refs))
-
     @contextmanager
     def paused(self):
         """Engines run no forward pass inside the block (requests in flight wait)."""
