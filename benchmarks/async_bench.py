@@ -81,7 +81,8 @@ def main() -> None:
         print(f"[bench]   {r['samples_per_s']:.1f} samples/s, step {r['step_time_s']:.2f}s, "
               f"wait ratio {r['wait_time_ratio']:.3f}", flush=True)
     base = results["train.py (synchronous)"]["samples_per_s"]
-    print("\n| mode | samples/s | speed-up | step s | rollout s | train s | sync s | wait ratio | staleness | dropped |")
+    print("\n| mode | samples/s | speed-up | step s | rollout s | train s | sync s | wait ratio "
+          "| staleness | dropped |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, r in results.items():
         print(f"| `{label}` | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x | "

@@ -95,7 +95,8 @@ def check_ledger(ledger: list[dict], rows: list[dict], stdout: str, max_stalenes
                 trained_per_step[e["trained_at_step"]] += 1
             elif o == "stale":  # dropped: it was older than the bound for every step it could join
                 assert e["trained_at_step"] is None or e["trained_at_step"] - v > max_staleness
-    assert sorted(trained_per_step) == [r["step"] for r in rows] == list(range(first_step, first_step + len(rows)))
+    steps = [r["step"] for r in rows]
+    assert sorted(trained_per_step) == steps == list(range(first_step, first_step + len(rows)))
     assert [trained_per_step[r["step"]] for r in rows] == [r["train/samples"] for r in rows]
     assert sum(r["async/dropped_samples"] for r in rows) == outcomes["stale"]
     m = re.search(r"\[run\] samples: (\d+) generated = (\d+) trained", stdout)

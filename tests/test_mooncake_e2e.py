@@ -16,7 +16,7 @@ from rl.runtime import Runtime
 from tests.conftest import REPO, compose, pids_with, read_until, running
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
 from transfer.data.mooncake_master import MooncakeMaster
-from transfer.data.mooncake_store import explain_import_error
+from transfer.data.mooncake_client import explain_import_error
 
 SMALL = ["rollout.prompts_per_step=8", "logger=console"]
 

@@ -1,7 +1,7 @@
-"""One conformance suite for every RolloutStore backend: Ray, Mooncake packed, Mooncake bundle.
-
-Producer in this process, consumer in another (a Ray actor), a real ``mooncake_master``,
-and for Mooncake a separate client that lends the segment (as learner local rank 0 does).
+"""The conformance suite (``tests/store_suite.py``) over every registered data backend
+(``rl.config.transfer.BACKENDS``: Ray, Mooncake packed, Mooncake bundle), each built from
+its config as ``train.py`` builds it, with a real ``mooncake_master``; then what is
+particular to Mooncake's two codecs.
 """
 
 from __future__ import annotations
@@ -11,17 +11,48 @@ import time
 import numpy as np
 import pytest
 
+from rl.config.transfer import BACKENDS
 from tests.conftest import pids_with
+from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
+    open_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
+    test_rollout_batch_round_trip, test_round_trip_across_processes, test_the_store_follows_the_protocol)
 from tests.test_codec import assert_same
-from tests.test_learner import make_batch
-from transfer.data.base import RolloutStore
-from transfer.data.mooncake_master import MooncakeMaster
 from transfer.data.mooncake_client import MooncakeSettings, StoreError, open_store
+from transfer.data.mooncake_master import MooncakeMaster, list_keys
 from transfer.data.mooncake_store import MooncakeStore
 
-BACKENDS = ["ray", "mooncake-packed", "mooncake-bundle"]
+
+_RAY_IDS: dict[str, bytes] = {}
 
 
+def held_by(services: dict, ref) -> bool:
+    """Ray: the object is in the reference table of its owner (this process, which put it);
+    Ray frees an object when it leaves that table. Mooncake: keys under the ref's key on the
+    master (the bundle codec writes them with '_' for '/')."""
+    if ref.backend == "ray":
+        import ray
+
+        if ref.handle:  # remove() empties it: remember the object's id while it is there
+            _RAY_IDS[ref.key] = ref.handle[0].hex().encode()
+        counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
+        return _RAY_IDS[ref.key] in counts
+    keys = list_keys(services["admin_url"])
+    return any(ref.key in k or ref.key.replace("/", "_") in k for k in keys)
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def store_case(request, ray_local, tmp_path_factory):
+    label = request.param
+    with open_case(label, BACKENDS[label](), str(tmp_path_factory.mktemp(label)), ray_local,
+                   held_by) as case:
+        yield case
+        if "admin_url" in case.services:
+            assert list_keys(case.services["admin_url"]) == []  # every test removed its keys
+    if "master_pid" in case.services:
+        assert pids_with(f"-rpc_port={case.services['master_server_address'].rpartition(':')[2]}") == []
+
+
+# -- Mooncake: a master of the module's own, the codecs' particulars -------------------------
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
     m = MooncakeMaster("127.0.0.1", log_path=str(tmp_path_factory.mktemp("mc") / "master.log")).start()
@@ -43,120 +74,8 @@ def segment_holder(master):
     holder.close()
 
 
-def make_store(backend: str, master_address=None, metadata=None, **kw) -> RolloutStore:
-    if backend == "ray":
-        from transfer.data.ray_store import RayStore
-
-        return RayStore()
-    codec = backend.split("-")[1]
-    return open_store(MooncakeSettings(master_server_address=master_address,
-                                          metadata_server=metadata, local_hostname="127.0.0.1",
-                                          codec=codec, chunk_bytes=kw.get("chunk_bytes", 1 << 20)))
-
-
-class Consumer:
-    """Runs in another process: reads refs and sends the columns back."""
-
-    def __init__(self, backend, master_address, metadata):
-        self.store = make_store(backend, master_address, metadata)
-
-    def get(self, ref):
-        cols = self.store.get(ref)
-        return cols, {k: [type(x).__name__ for x in v] if isinstance(v, list) else type(v).__name__
-                      for k, v in cols.items()}
-
-    def close(self):
-        self.store.close()
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def pair(request, ray_local, master, segment_holder):
-    backend = request.param
-    producer = make_store(backend, master.address, master.metadata_server)
-    consumer = ray_local.remote(Consumer).remote(backend, master.address, master.metadata_server)
-    yield backend, producer, consumer
-    ray_local.get(consumer.close.remote())
-    ray_local.kill(consumer)
-    producer.close()
-
-
-def sample_columns(backend: str = "ray"):
-    cols = {
-        "tokens": [np.arange(5, dtype=np.int32), np.zeros(0, dtype=np.int32),  # empty response
-                   np.arange(300, dtype=np.int32)],
-        "logprobs": [np.full(2, -1.5, np.float32), np.zeros(0, np.float32), np.ones(7, np.float32)],
-        "pairs": [np.ones((2, 3), np.int16), np.zeros((0, 3), np.int16), np.ones((1, 3), np.int16)],
-        "rewards": np.array([0.5, -1.0, 2.0], dtype=np.float32),
-        "empty_dense": np.zeros((0,), dtype=np.float64),
-        "matrix": np.arange(12, dtype=np.float64).reshape(3, 4),
-        "sample_id": [1, 2, 3],
-        "flags": [True, False, True],
-        "scores": [0.25, 1e-30, -3.5],
-        "label": ["héllo", "日本語", "emoji 🎉"],
-        "maybe": ["x", None, "z"],
-        "meta": {"step": 3, "note": "ünïcode"},
-        "nothing": None,
-        "no_rows": [],
-    }
-    if backend == "mooncake-bundle":  # Mooncake's bundle API needs one row per sample per column
-        cols = {k: v for k, v in cols.items() if v is not None and len(v) == 3}
-    return cols
-
-
 def keys_under(master, prefix: str) -> list[str]:
     return [k for k in master.keys() if prefix in k]
-
-
-def test_round_trip_across_processes(pair, ray_local):
-    backend, producer, consumer = pair
-    cols = sample_columns(backend)
-    ref = producer.put(cols, key=f"conf/{backend}/round-trip")
-    got, _ = ray_local.get(consumer.get.remote(ref))
-    assert_same(cols, got)
-    assert ref.nbytes > 0 and "put_ms" in ref.timings_ms
-    producer.remove([ref])
-
-
-def test_rollout_batch_round_trip(pair, ray_local):
-    from rl.types import RolloutBatch
-
-    backend, producer, consumer = pair
-    batch = make_batch(12, seed=3)
-    ref = producer.put(batch.to_columns(), key=f"conf/{backend}/batch")
-    got, _ = ray_local.get(consumer.get.remote(ref))
-    out = RolloutBatch.from_columns(got)
-    assert_same(batch.to_columns(), out.to_columns())
-    producer.remove([ref])
-
-
-def held(backend: str, master, key: str, object_id: bytes | None) -> bool:
-    """Whether the store still holds the data put under ``key``: Mooncake, keys under it on
-    the master; Ray, the object in the reference table of its owner (this process, which
-    put it): Ray frees an object when it leaves that table."""
-    if backend == "ray":
-        import ray
-
-        return object_id in ray._private.worker.global_worker.core_worker.get_all_reference_counts()
-    return bool(keys_under(master, key) or keys_under(master, key.replace("/", "_")))
-
-
-def test_remove_is_idempotent_and_leaves_no_key(pair, master, ray_local):
-    from transfer.data.base import RemovedError
-
-    backend, producer, consumer = pair
-    key = f"conf/{backend}/remove"
-    ref = producer.put(sample_columns(backend), key=key)
-    object_id = ref.handle[0].hex().encode() if backend == "ray" else None
-    got, _ = ray_local.get(consumer.get.remote(ref))  # read once elsewhere, as a learner does
-    del got
-    assert held(backend, master, key, object_id)
-    producer.remove([ref])
-    producer.remove([ref])  # twice: no error
-    assert not held(backend, master, key, object_id)
-    with pytest.raises(RemovedError, match="removed"):
-        producer.get(ref)
-    with pytest.raises(RemovedError, match="removed"):  # in another process too
-        ray_local.get(consumer.get.remote(ref))
 
 
 def test_bundle_limits_are_reported(master, segment_holder):

@@ -41,12 +41,13 @@ def log_tail(path: str, lines: int = 30) -> str:
 
 
 def start_child(cmd: list[str], *, name: str, log_path: str, ready: Callable[[], bool],
-                timeout_s: float, waits_for: str = "its readiness check", timeout_hint: str = "", env: dict[str, str] | None = None,
-                tie_to_parent: bool = True, poll_s: float = 0.1) -> subprocess.Popen:
+                timeout_s: float, waits_for: str = "its readiness check", timeout_hint: str = "",
+                env: dict[str, str] | None = None, tie_to_parent: bool = True,
+                poll_s: float = 0.1) -> subprocess.Popen:
     """Start ``cmd`` with its output appended to ``log_path`` and poll ``ready()`` until it
-    answers true (``waits_for`` names that check in errors). A child that exits first, or is not ready within ``timeout_s`` (then it
-    is stopped), raises a RuntimeError naming it, with the last lines of its log.
-    ``timeout_hint``: the setting that bounds the wait, named in the error."""
+    answers true (``waits_for`` names that check in errors). A child that exits first, or is
+    not ready within ``timeout_s`` (then it is stopped), raises a RuntimeError naming it, with
+    the last lines of its log. ``timeout_hint``: the setting that bounds the wait."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())

@@ -115,7 +115,7 @@ class MooncakeTransferConfig(TransferConfig):
     def build(self, runtime: "Runtime", *, contribute_segment: bool = False) -> "RolloutStore":
         from rl.runtime import node_ip
         from transfer.data.mooncake_bootstrap import client_settings
-        from transfer.data.mooncake_store import MooncakeStore
+        from transfer.data.mooncake_client import open_store
 
         settings = client_settings(
             runtime.transfer, default_hostname=node_ip(), local_hostname=self.local_hostname,
@@ -123,9 +123,18 @@ class MooncakeTransferConfig(TransferConfig):
             global_segment_size=self.global_segment_size if contribute_segment else 0,
             local_buffer_size=self.local_buffer_size, chunk_bytes=self.chunk_bytes,
             replica_num=self.replica_num, codec=self.codec, init_kwargs=self.init_kwargs)
-        return MooncakeStore(settings)
+        return open_store(settings)
 
 
 SCHEMAS: dict[str, type] = {"ray": RayTransferConfig, "mooncake": MooncakeTransferConfig}
 """Schema of each backend (``schema/transfer/<key>``; ``mooncake_tcp``/``mooncake_rdma``
 both extend ``mooncake``)."""
+
+BACKENDS: dict[str, Callable[[], TransferConfig]] = {
+    "ray": RayTransferConfig,
+    "mooncake-packed": lambda: MooncakeTransferConfig(codec="packed"),
+    "mooncake-bundle": lambda: MooncakeTransferConfig(codec="bundle"),
+}
+"""Every data path worth comparing, by label, as a config that builds it: the store
+conformance suite (``tests/store_suite.py``) and the transfer benchmark run each one. A new
+backend adds its entry here (docs/transfer.md, "Adding a backend")."""

@@ -54,7 +54,7 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
     """Check the environment and capacity, then find or start the master. Returns the
     resolved addresses (``master_server_address``, ``metadata_server``, and for a local
     master ``admin_url`` and ``master_pid``) and a stop function (None for an external one)."""
-    from transfer.data.mooncake_store import import_mooncake
+    from transfer.data.mooncake_client import import_mooncake
 
     import_mooncake()  # a missing or wrong wheel is reported here, before workers start
     check_environment(num_nodes=num_nodes, local_hostname=local_hostname, protocol=protocol,
@@ -124,7 +124,7 @@ def client_settings(services: Mapping[str, str], *, default_hostname: str,
     """Settings of one client. ``services``: what ``start_services`` returned on the
     driver; ``default_hostname``: this node's address; ``global_segment_size``: what this
     client lends (0 = none)."""
-    from transfer.data.mooncake_store import MooncakeSettings
+    from transfer.data.mooncake_client import MooncakeSettings
 
     if "master_server_address" not in services:
         raise RuntimeError("the Mooncake master is not resolved: start_services() runs first")
@@ -140,7 +140,7 @@ def client_settings(services: Mapping[str, str], *, default_hostname: str,
 
 def parse_init_kwargs(value: Any) -> dict[str, Any]:
     """Extra client ``setup`` keys, a mapping or a JSON string -> a checked dict (sizes in bytes)."""
-    from transfer.data.mooncake_store import SETUP_KEYS
+    from transfer.data.mooncake_client import SETUP_KEYS
 
     if value is None or value == "":
         return {}

@@ -30,7 +30,6 @@ from transfer.data import codec
 from transfer.data.base import Columns, StoreRef
 from transfer.data.mooncake_client import (_NOT_FOUND, MooncakeClient, MooncakeSettings, StoreError,
                                            StoreRemovedError)
-from transfer.data.mooncake_client import SETUP_KEYS, explain_import_error, import_mooncake  # noqa: F401  TEMP
 
 
 class _Buffer:

@@ -1,0 +1,152 @@
+"""The conformance suite every rollout-data backend passes, built the way ``train.py`` builds
+its stores: from a ``transfer`` config, through ``start_services`` on the driver and
+``build`` in each process (a segment holder that lends memory as learner local rank 0
+does, a producer here as the rollout manager, a consumer in another process, a Ray actor,
+as a learner rank).
+
+A test module runs the suite by importing its tests and providing a ``store_case``
+fixture (see ``open_case``); ``tests/test_store_conformance.py`` does so for every entry of
+``rl.config.transfer.BACKENDS``, ``tests/test_adding_a_backend.py`` for a backend that the
+test itself defines.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from tests.test_codec import assert_same
+from tests.test_learner import make_batch
+from transfer.data.base import RemovedError, RolloutStore, StoreRef
+
+
+class Consumer:
+    """Runs in another process: builds its own store from the config and reads refs."""
+
+    def __init__(self, transfer, runtime):
+        self.store = transfer.build(runtime)
+
+    def get(self, ref):
+        cols = self.store.get(ref)
+        return cols, dict(self.store.get_timings_ms)
+
+    def close(self):
+        self.store.close()
+
+
+@dataclass
+class StoreCase:
+    label: str
+    producer: RolloutStore
+    consumer: object
+    """A Ray actor handle of ``Consumer``."""
+    held: Callable[[StoreRef], bool]
+    """Whether the store still holds the data behind a ref (read from the backend itself,
+    not through the store client under test)."""
+    services: dict[str, str]
+
+
+@contextmanager
+def open_case(label: str, transfer, runtime_dir: str, ray, held_by: Callable[[dict, StoreRef], bool],
+              bytes_per_step: int = 64 << 20) -> Iterator[StoreCase]:
+    """Start ``transfer``'s services, open the stores of a step, and close everything after."""
+    import dataclasses
+
+    from rl.runtime import Runtime
+
+    runtime = Runtime(f"conf-{label}", runtime_dir, "/unused")
+    services, stop = transfer.start_services(runtime, num_nodes=1, bytes_per_step=bytes_per_step)
+    runtime = dataclasses.replace(runtime, transfer=services)
+    holder = producer = consumer = None
+    try:
+        holder = transfer.build(runtime, contribute_segment=True)
+        producer = transfer.build(runtime)
+        consumer = ray.remote(Consumer).remote(transfer, runtime)
+        yield StoreCase(label, producer, consumer, lambda ref: held_by(services, ref), services)
+    finally:
+        if consumer is not None:
+            ray.get(consumer.close.remote())
+            ray.kill(consumer)
+        for store in (producer, holder):
+            if store is not None:
+                store.close()
+        if stop is not None:
+            stop()
+
+
+def sample_columns(label: str = "ray"):
+    cols = {
+        "tokens": [np.arange(5, dtype=np.int32), np.zeros(0, dtype=np.int32),  # empty response
+                   np.arange(300, dtype=np.int32)],
+        "logprobs": [np.full(2, -1.5, np.float32), np.zeros(0, np.float32), np.ones(7, np.float32)],
+        "pairs": [np.ones((2, 3), np.int16), np.zeros((0, 3), np.int16), np.ones((1, 3), np.int16)],
+        "rewards": np.array([0.5, -1.0, 2.0], dtype=np.float32),
+        "empty_dense": np.zeros((0,), dtype=np.float64),
+        "matrix": np.arange(12, dtype=np.float64).reshape(3, 4),
+        "sample_id": [1, 2, 3],
+        "flags": [True, False, True],
+        "scores": [0.25, 1e-30, -3.5],
+        "label": ["héllo", "日本語", "emoji 🎉"],
+        "maybe": ["x", None, "z"],
+        "meta": {"step": 3, "note": "ünïcode"},
+        "nothing": None,
+        "no_rows": [],
+    }
+    if label == "mooncake-bundle":  # Mooncake's bundle API needs one row per sample per column
+        cols = {k: v for k, v in cols.items() if v is not None and len(v) == 3}
+    return cols
+
+
+def test_the_store_follows_the_protocol(store_case: StoreCase):
+    assert isinstance(store_case.producer, RolloutStore)
+    assert isinstance(store_case.producer.get_timings_ms, dict)
+
+
+def test_round_trip_across_processes(store_case: StoreCase, ray_local):
+    case = store_case
+    cols = sample_columns(case.label)
+    ref = case.producer.put(cols, key=f"conf/{case.label}/round-trip")
+    got, timings = ray_local.get(case.consumer.get.remote(ref))
+    assert_same(cols, got)
+    assert ref.nbytes > 0 and "put_ms" in ref.timings_ms
+    assert all(isinstance(v, float) and v >= 0 for v in timings.values())
+    case.producer.remove([ref])
+
+
+def test_rollout_batch_round_trip(store_case: StoreCase, ray_local):
+    from rl.types import RolloutBatch
+
+    case = store_case
+    batch = make_batch(12, seed=3)
+    ref = case.producer.put(batch.to_columns(), key=f"conf/{case.label}/batch")
+    got, _ = ray_local.get(case.consumer.get.remote(ref))
+    out = RolloutBatch.from_columns(got)
+    assert_same(batch.to_columns(), out.to_columns())
+    case.producer.remove([ref])
+
+
+def test_remove_is_idempotent_and_leaves_nothing(store_case: StoreCase, ray_local):
+    case = store_case
+    ref = case.producer.put(sample_columns(case.label), key=f"conf/{case.label}/remove")
+    got, _ = ray_local.get(case.consumer.get.remote(ref))  # read once elsewhere, as a learner does
+    del got
+    assert case.held(ref)
+    case.producer.remove([ref])
+    case.producer.remove([ref])  # twice: no error
+    assert not case.held(ref)
+    with pytest.raises(RemovedError, match="removed"):
+        case.producer.get(ref)
+    with pytest.raises(RemovedError, match="removed"):  # in another process too
+        ray_local.get(case.consumer.get.remote(ref))
+
+
+def test_a_ref_of_another_backend_is_refused(store_case: StoreCase):
+    alien = StoreRef(key="conf/alien", backend="not-" + store_case.producer.backend, nbytes=1)
+    with pytest.raises(ValueError, match="written by"):
+        store_case.producer.get(alien)
+    with pytest.raises(ValueError, match="written by"):
+        store_case.producer.remove([alien])
