@@ -26,14 +26,9 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # pytest started as a bac
 
 def compose(*overrides: str):
     """The typed config that ``python train.py <overrides>`` would run with."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from rl.config import compose as compose_config
 
-    from rl.config import load, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return load(hydra_compose("config", overrides=list(overrides)))
+    return compose_config(*overrides)
 
 
 @pytest.fixture(scope="session")

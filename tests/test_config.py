@@ -161,7 +161,8 @@ def test_train_async_rejects_bad_input_before_workers_start(args, fragment):
 
 
 @pytest.mark.parametrize("lines,fragment", [
-    (['{"prompt": "a:", "label": "aaaa"}', '{"prompt": "b:", "label": "bbbb"'], "prompts.jsonl:2: not valid JSON"),
+    (['{"prompt": "a:", "label": "aaaa"}', '{"prompt": "b:", "label": "bbbb"'],
+     "prompts.jsonl:2: not valid JSON"),
     (['{"prompt": "a:", "label": "aaaa"}'] * 3 + ['{"prompt": "d:"}'], "prompts.jsonl:4: missing 'label'"),
     (['{"prompt": 7, "label": "7"}'], "prompts.jsonl:1: 'prompt' must be a string"),
     ([], "prompts.jsonl holds no prompts"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rl.config.transfer import BACKENDS
-from tests.conftest import pids_with
+from tests.conftest import compose, pids_with
 from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
     open_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
     test_rollout_batch_round_trip, test_round_trip_across_processes, test_the_store_follows_the_protocol)
@@ -43,7 +43,7 @@ def held_by(services: dict, ref) -> bool:
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
 def store_case(request, ray_local, tmp_path_factory):
     label = request.param
-    with open_case(label, BACKENDS[label](), str(tmp_path_factory.mktemp(label)), ray_local,
+    with open_case(label, compose(*BACKENDS[label]).transfer, str(tmp_path_factory.mktemp(label)), ray_local,
                    held_by) as case:
         yield case
         if "admin_url" in case.services:

@@ -19,6 +19,7 @@ it, for a long one), one entry in its ``SCHEMAS``, and a YAML under ``conf/<grou
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,7 +43,7 @@ __all__ = [
     "CheckpointConfig", "ClusterConfig", "Config", "HFRolloutConfig", "JsonlTaskConfig",
     "LoggerConfig", "ModelConfig", "MooncakeTransferConfig", "P2PWeightsConfig",
     "RayTransferConfig", "RepeatLetterTaskConfig", "RolloutConfig", "SGLangRolloutConfig",
-    "TaskConfig", "TinyModelConfig", "TransferConfig", "WeightsConfig", "load", "parse_size",
+    "TaskConfig", "TinyModelConfig", "TransferConfig", "WeightsConfig", "compose", "load", "parse_size",
     "register_configs"]
 
 
@@ -109,6 +110,21 @@ def register_configs() -> None:
     for group, schemas in _SCHEMAS.items():
         for name, node in schemas.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "conf")
+
+
+def compose(*overrides: str) -> Config:
+    """The typed config that ``python train.py <overrides>`` runs with, for tests and
+    benchmarks (the entry points compose through ``@hydra.main``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return load(hydra_compose("config", overrides=list(overrides)))
 
 
 def load(cfg: DictConfig) -> Config:

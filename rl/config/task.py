@@ -82,7 +82,7 @@ class JsonlTaskConfig(TaskConfig):
         try:
             getattr(importlib.import_module(module), fn)
         except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"task.reward._target_={reward['_target_']!r} cannot be imported: {e}")
+            raise ValueError(f"task.reward._target_={reward['_target_']!r} cannot be imported: {e}") from None
         self.reward = reward
 
     def build(self):

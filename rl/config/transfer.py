@@ -130,11 +130,12 @@ SCHEMAS: dict[str, type] = {"ray": RayTransferConfig, "mooncake": MooncakeTransf
 """Schema of each backend (``schema/transfer/<key>``; ``mooncake_tcp``/``mooncake_rdma``
 both extend ``mooncake``)."""
 
-BACKENDS: dict[str, Callable[[], TransferConfig]] = {
-    "ray": RayTransferConfig,
-    "mooncake-packed": lambda: MooncakeTransferConfig(codec="packed"),
-    "mooncake-bundle": lambda: MooncakeTransferConfig(codec="bundle"),
+BACKENDS: dict[str, list[str]] = {
+    "ray": ["transfer=ray"],
+    "mooncake-packed": ["transfer=mooncake_tcp"],
+    "mooncake-bundle": ["transfer=mooncake_tcp", "transfer.codec=bundle"],
 }
-"""Every data path worth comparing, by label, as a config that builds it: the store
-conformance suite (``tests/store_suite.py``) and the transfer benchmark run each one. A new
-backend adds its entry here (docs/transfer.md, "Adding a backend")."""
+"""Every data path worth comparing, by label, as the overrides that choose it: the store
+conformance suite (``tests/store_suite.py``), the train_async.py matrix and the transfer
+benchmark run each one, built from ``rl.config.compose(*overrides).transfer`` as train.py
+builds it. A new backend adds its entry here (docs/transfer.md, "Adding a backend")."""

@@ -1,0 +1,149 @@
+"""The steps of docs/transfer.md, "Adding a backend", done inside this file and nowhere else:
+a store class, a schema class, a YAML and a registry entry for a throwaway in-memory data
+path; then ``transfer=memory`` composes like any built-in backend and the conformance
+suite (``tests/store_suite.py``) passes over it."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import pytest
+
+import rl.config.transfer as transfer_configs
+from rl.config.transfer import TransferConfig
+from tests.conftest import compose
+from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
+    open_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
+    test_rollout_batch_round_trip, test_round_trip_across_processes, test_the_store_follows_the_protocol)
+from transfer.data import codec
+from transfer.data.base import Columns, RemovedError, StoreRef
+
+
+# -- 1. the store: one file in transfer/data/ in real life -----------------------------------
+class Shelf:
+    """A Ray actor holding encoded batches in its memory: the whole backend."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, tuple[bytes, bytes]] = {}
+        self.lock = threading.Lock()
+
+    def put(self, key: str, manifest: bytes, payload: bytes) -> None:
+        with self.lock:
+            self.items[key] = (manifest, payload)
+
+    def get(self, key: str):
+        return self.items.get(key)
+
+    def remove(self, keys: list[str]) -> None:
+        for key in keys:
+            self.items.pop(key, None)
+
+    def keys(self) -> list[str]:
+        return list(self.items)
+
+
+class MemoryStore:
+    backend = "memory"
+
+    def __init__(self, shelf_name: str) -> None:
+        import ray
+
+        self._ray = ray
+        self.shelf = ray.get_actor(shelf_name)
+        self.get_timings_ms: dict[str, float] = {}
+
+    def put(self, columns: Columns, *, key: str) -> StoreRef:
+        manifest, payload = codec.encode(columns)
+        self._ray.get(self.shelf.put.remote(key, manifest, payload.tobytes()))
+        return StoreRef(key=key, backend=self.backend, nbytes=int(payload.nbytes),
+                        timings_ms={"put_ms": 0.0})
+
+    def get(self, ref: StoreRef) -> Columns:
+        self._check(ref)
+        item = self._ray.get(self.shelf.get.remote(ref.key))
+        if item is None:
+            raise RemovedError(f"memory store: {ref.key!r} was removed")
+        self.get_timings_ms = {"decode_ms": 0.0}
+        return codec.decode(item[0], bytearray(item[1]))
+
+    def remove(self, refs: Sequence[StoreRef]) -> None:
+        for ref in refs:
+            self._check(ref)
+        self._ray.get(self.shelf.remove.remote([r.key for r in refs]))
+
+    def close(self) -> None:
+        pass
+
+    def _check(self, ref: StoreRef) -> None:
+        if ref.backend != self.backend:
+            raise ValueError(f"ref {ref.key!r} was written by {ref.backend!r}, not by memory")
+
+
+# -- 2. the schema: a class in rl/config/transfer.py, one entry in its SCHEMAS ----------------
+@dataclass(kw_only=True)
+class MemoryTransferConfig(TransferConfig):
+    name: str = "memory"
+    shelf_prefix: str = "rl-shelf"
+    """Name prefix of the actor that holds the data."""
+
+    def start_services(self, runtime, num_nodes, bytes_per_step, batches_held=1):
+        import ray
+
+        name = f"{self.shelf_prefix}-{runtime.run_id}"
+        shelf = ray.remote(Shelf).options(name=name).remote()
+        ray.get(shelf.keys.remote())  # up before anyone looks it up
+        return {"shelf": name}, lambda: ray.kill(shelf)
+
+    def build(self, runtime, *, contribute_segment=False):
+        return MemoryStore(runtime.transfer["shelf"])
+
+
+# -- 3. the YAML: conf/transfer/memory.yaml ---------------------------------------------------
+YAML = """\
+defaults:
+  - /schema/transfer/memory@_here_
+  - _self_
+name: memory
+shelf_prefix: test-shelf
+"""
+
+
+@pytest.fixture(scope="module")
+def memory_backend(tmp_path_factory):
+    """Registers the backend as a real one is registered (schema, YAML, BACKENDS entry) and
+    takes it out again afterwards; returns the overrides that choose it."""
+    conf = tmp_path_factory.mktemp("conf")
+    (conf / "transfer").mkdir()
+    (conf / "transfer" / "memory.yaml").write_text(YAML)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(transfer_configs.SCHEMAS, "memory", MemoryTransferConfig)
+        # 4. the registry entry: what the conformance suite, the matrix and the benchmark read
+        mp.setitem(transfer_configs.BACKENDS, "memory", ["transfer=memory", f"hydra.searchpath=[file://{conf}]"])
+        yield transfer_configs.BACKENDS["memory"]
+
+
+def test_the_new_backend_composes_like_a_built_in_one(memory_backend):
+    cfg = compose(*memory_backend, "transfer.shelf_prefix=other")
+    assert isinstance(cfg.transfer, MemoryTransferConfig)
+    assert (cfg.transfer.name, cfg.transfer.shelf_prefix) == ("memory", "other")
+    with pytest.raises(Exception, match="no_such_field"):
+        compose(*memory_backend, "transfer.no_such_field=1")  # the schema is enforced
+
+
+@pytest.fixture(scope="module")
+def store_case(memory_backend, ray_local, tmp_path_factory):
+    shelves: list = []
+
+    def held_by(services, ref) -> bool:
+        shelf = ray_local.get_actor(services["shelf"])
+        shelves.append(shelf)
+        return ref.key in ray_local.get(shelf.keys.remote())
+
+    transfer = compose(*memory_backend).transfer
+    with open_case("memory", transfer, str(tmp_path_factory.mktemp("memory")), ray_local, held_by) as case:
+        yield case
+        assert ray_local.get(shelves[-1].keys.remote()) == []  # every test removed its data
+    with pytest.raises(ValueError):  # stopped with the case, as a master is
+        ray_local.get_actor(case.services["shelf"])
