@@ -301,6 +301,40 @@ def test_generation_stops_at_first_eos(tiny_path):
     assert len(res.output_ids) == 3 and res.finish_reason["type"] == "length"
 
 
+def test_a_burst_longer_than_the_wait_is_decoded_as_one_batch(tiny_path):
+    """Requests arriving within ``batch_wait_s`` of each other join one batch even when the
+    burst lasts longer than that (a rollout step's requests over a slow HTTP loop); a quiet
+    gap of ``batch_wait_s`` closes the batch."""
+    import asyncio
+
+    from rl.rollout.engines.hf_server import BatchScheduler
+
+    class Recording(HFEngine):  # the real engine, noting the rows of each batch it decodes
+        def generate(self, reqs):
+            self.batches.append(len(reqs))
+            return super().generate(reqs)
+
+    tok = load_tokenizer(tiny_path)
+    engine = Recording(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
+    engine.batches = []
+    scheduler = BatchScheduler(engine, max_batch_size=64, batch_wait_s=0.5)
+
+    async def burst_then_pause():
+        sent = []
+        for i in range(8):  # 0.1 s apart: 0.8 s in all, longer than the wait, gaps well under it
+            sent.append(asyncio.ensure_future(
+                scheduler.submit([GenRequest(input_ids=[5 + i], max_new_tokens=2)])))
+            await asyncio.sleep(0.1)
+        first = await asyncio.gather(*sent)
+        second = await scheduler.submit([GenRequest(input_ids=[5], max_new_tokens=2)] * 2)
+        return first, second
+
+    first, second = asyncio.run(burst_then_pause())
+    assert engine.batches == [8, 2]
+    assert [len(r) for r in first] == [1] * 8 and len(second) == 2
+    assert all(1 <= len(r.output_ids) <= 2 for r in [*(r[0] for r in first), *second])
+
+
 def test_broadcast_weight_update_is_bit_exact(server, tiny_path):
     """This process plays learner rank 0: push new weights, read them back over HTTP."""
     model = load_model(tiny_path)

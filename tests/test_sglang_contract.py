@@ -136,7 +136,12 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
         assert client.health()
         # generation as the manager sends it, with the rollout config's sampling fields
         rc = HFRolloutConfig(top_p=0.9, top_k=5)
-        _generate(proxy.url, [[5, 6, 7]], 2, rc.sampling_params())
+        groups = _generate(proxy.url, [[5, 6, 7], [8, 9]], 3, rc.sampling_params())
+        assert [len(g) for g in groups] == [3, 3]
+        assert [a["meta_info"]["prompt_tokens"] for g in groups for a in g] == [3] * 3 + [2] * 3
+        sent = [b for _, p, b in proxy.seen if p == "/generate"]  # one request per prompt
+        assert [(b["input_ids"], b["sampling_params"]["n"]) for b in sent] in \
+            ([([5, 6, 7], 3), ([8, 9], 3)], [([8, 9], 3), ([5, 6, 7], 3)])
         # a fully async pause and resume, then a whole weight sync over both paths' calls
         client.pause_generation("retract")
         client.continue_generation()
