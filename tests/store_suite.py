@@ -129,6 +129,19 @@ def test_rollout_batch_round_trip(store_case: StoreCase, ray_local):
     case.producer.remove([ref])
 
 
+def test_results_of_earlier_gets_stay_intact(store_case: StoreCase):
+    """A learner holds what it read while it reads more: a later get on the same client must
+    not overwrite an earlier result (a pooled receive buffer reused too early would)."""
+    case = store_case
+    batches = [make_batch(6, seed=s) for s in (1, 2, 3)]
+    refs = [case.producer.put(b.to_columns(), key=f"conf/{case.label}/held-{i}")
+            for i, b in enumerate(batches)]
+    got = [case.producer.get(r) for r in refs]
+    for batch, cols in zip(batches, got):
+        assert_same(batch.to_columns(), cols)
+    case.producer.remove(refs)
+
+
 def test_remove_is_idempotent_and_leaves_nothing(store_case: StoreCase, ray_local):
     case = store_case
     ref = case.producer.put(sample_columns(case.label), key=f"conf/{case.label}/remove")

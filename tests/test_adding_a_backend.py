@@ -16,7 +16,8 @@ from rl.config.transfer import TransferConfig
 from tests.conftest import compose
 from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
     open_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
-    test_rollout_batch_round_trip, test_round_trip_across_processes, test_the_store_follows_the_protocol)
+    test_results_of_earlier_gets_stay_intact, test_rollout_batch_round_trip, test_round_trip_across_processes,
+    test_the_store_follows_the_protocol)
 from transfer.data import codec
 from transfer.data.base import Columns, RemovedError, StoreRef
 

@@ -19,25 +19,27 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, pids_with, read_until, running
+from rl.config.transfer import BACKENDS, MooncakeTransferConfig
+from tests.conftest import REPO, compose, pids_with, read_until, running
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics
 from transfer.data.mooncake_master import MooncakeMaster
 
-COMBOS = [("ray", "broadcast"), ("ray", "p2p"), ("mooncake_tcp", "broadcast"), ("mooncake_tcp", "p2p")]
+COMBOS = [(label, weights) for label in BACKENDS for weights in ("broadcast", "p2p")]
 ASYNC_METRICS = ["perf/wait_time_ratio", "async/staleness_mean", "async/staleness_max",
                  "async/dropped_samples", "async/queue_depth", "train/samples"]
 
 
 @pytest.fixture
 def data_path(request, tmp_path):
-    """``transfer=...`` overrides, and the Mooncake master (to read its keys) or None."""
-    transfer = request.param
-    if transfer == "ray":
-        yield [f"transfer={transfer}"], None
+    """The overrides of a registered data backend (``BACKENDS``), and for Mooncake a master
+    of the test's own (to read its keys), else None."""
+    overrides = BACKENDS[request.param]
+    if not isinstance(compose(*overrides).transfer, MooncakeTransferConfig):
+        yield overrides, None
         return
     master = MooncakeMaster("127.0.0.1", log_path=str(tmp_path / "master.log")).start()
     try:
-        yield [f"transfer={transfer}", f"transfer.master_server_address={master.address}",
+        yield [*overrides, f"transfer.master_server_address={master.address}",
                f"transfer.metadata_server={master.metadata_server}"], master
     finally:
         master.stop()
@@ -129,7 +131,7 @@ def test_fully_async_overlaps_bounds_staleness_and_accounts_for_every_sample(tmp
     assert_nothing_left(engine_ports(proc.stdout))
 
 
-@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+@pytest.mark.parametrize("data_path", ["mooncake-packed"], indirect=True)
 def test_fully_async_drops_stale_samples_and_resumes_where_it_left(tmp_path, data_path):
     """A deeper queue than the staleness bound allows: stale samples are dropped and
     counted; a checkpoint resumes at the first batch not yet taken."""
@@ -162,7 +164,7 @@ def test_fully_async_drops_stale_samples_and_resumes_where_it_left(tmp_path, dat
     assert_nothing_left(engine_ports(proc.stdout))
 
 
-@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+@pytest.mark.parametrize("data_path", ["mooncake-packed"], indirect=True)
 def test_one_step_off_policy_overlaps_and_trains_every_batch(tmp_path, data_path):
     transfer, master = data_path
     steps = 3
@@ -180,7 +182,7 @@ def test_one_step_off_policy_overlaps_and_trains_every_batch(tmp_path, data_path
     assert_nothing_left(engine_ports(proc.stdout))
 
 
-@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+@pytest.mark.parametrize("data_path", ["mooncake-packed"], indirect=True)
 def test_ctrl_c_in_fully_async_removes_queued_batches_and_stops_every_process(tmp_path, data_path):
     transfer, master = data_path
     with running("train_async.py", *transfer, "rollout.fully_async=true", "rollout.max_inflight_batches=3",
@@ -210,7 +212,7 @@ def test_reward_rises_with_train_async_on_the_default_task(tmp_path):
           f"final reward {np.mean(rewards[-10:]):.3f}")
 
 
-@pytest.mark.parametrize("data_path", ["mooncake_tcp"], indirect=True)
+@pytest.mark.parametrize("data_path", ["mooncake-packed"], indirect=True)
 def test_engine_death_in_fully_async_fails_the_run_cleanly(tmp_path, data_path):
     """An engine killed mid-run: the run fails naming it, and still leaves no key and no
     process behind."""

@@ -15,7 +15,8 @@ from rl.config.transfer import BACKENDS
 from tests.conftest import compose, pids_with
 from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
     open_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
-    test_rollout_batch_round_trip, test_round_trip_across_processes, test_the_store_follows_the_protocol)
+    test_results_of_earlier_gets_stay_intact, test_rollout_batch_round_trip, test_round_trip_across_processes,
+    test_the_store_follows_the_protocol)
 from tests.test_codec import assert_same
 from transfer.data.mooncake_client import MooncakeSettings, StoreError, open_store
 from transfer.data.mooncake_master import MooncakeMaster, list_keys

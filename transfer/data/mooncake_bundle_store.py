@@ -71,10 +71,12 @@ class MooncakeBundleStore(MooncakeClient):
 
 
 def _plain(value: Any) -> Any:
-    """Bundle results as plain ndarrays and lists (its pool-backed subclasses cannot be
-    pickled); views, so the pool lease stays alive as long as they do."""
+    """Bundle results as plain ndarrays and lists, copied: its arrays are views of a pooled
+    receive buffer that the next ``get`` on this client overwrites (two partitions read one
+    after the other came back as two copies of the second), and its pool-backed subclasses
+    cannot be pickled."""
     if isinstance(value, np.ndarray):
-        return value.view(np.ndarray)
+        return np.array(value, copy=True).view(np.ndarray)
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
