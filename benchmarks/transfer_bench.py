@@ -30,7 +30,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-BACKENDS = ["ray", "mooncake-packed", "mooncake-bundle"]
+from rl.config.transfer import BACKENDS  # noqa: E402  (every registered data path)
 
 
 def make_payload(n: int, seed: int = 0) -> dict:
@@ -57,27 +57,30 @@ def checksum(cols: dict) -> int:
     return int(sum(int(t.sum()) for t in cols["tokens"]) + len(cols["label"]))
 
 
-CHUNK_BYTES = int(os.environ.get("BENCH_CHUNK_BYTES", 4 << 20))
+def transfer_config(label: str, chunk_bytes: int, segment: int):
+    """The ``transfer`` config of a registered backend, composed as train.py composes it, with
+    the benchmark's chunk and segment sizes where the backend has such fields."""
+    from rl.config import compose
+
+    transfer = compose(*BACKENDS[label]).transfer
+    sizes = {"chunk_bytes": chunk_bytes, "global_segment_size": max(segment, 16 << 20)}
+    extra = [f"transfer.{k}={v}" for k, v in sizes.items() if hasattr(transfer, k)]
+    return compose(*BACKENDS[label], *extra).transfer if extra else transfer
 
 
-def _store(backend: str, master: dict | None, segment: int):
-    if backend == "ray":
-        from transfer.data.ray_store import RayStore
+def _store(transfer, master: dict | None, lend: bool):
+    """A store client built by the config's own ``build``, as a train.py process builds it."""
+    from rl.runtime import Runtime
 
-        return RayStore()
-    import ray
-
-    from transfer.data.mooncake_client import MooncakeSettings, open_store
-
-    return open_store(MooncakeSettings(
-        master_server_address=master["address"], metadata_server=master["metadata"],
-        local_hostname=ray.util.get_node_ip_address(), global_segment_size=segment,
-        local_buffer_size=64 << 20, chunk_bytes=CHUNK_BYTES, codec=backend.split("-")[1]))
+    services = {} if master is None else {"master_server_address": master["address"],
+                                          "metadata_server": master["metadata"]}
+    return transfer.build(Runtime("bench", "/tmp", "/unused", transfer=services),
+                          contribute_segment=lend)
 
 
 class Producer:
-    def __init__(self, backend: str, master: dict | None, sizes: list[int], segment: int):
-        self.store = _store(backend, master, segment)
+    def __init__(self, transfer, master: dict | None, sizes: list[int]):
+        self.store = _store(transfer, master, lend=True)
         self.payloads = {n: make_payload(n) for n in sizes}
         self.sums = {n: checksum(p) for n, p in self.payloads.items()}
 
@@ -115,8 +118,8 @@ class Producer:
 
 
 class Consumer:
-    def __init__(self, backend: str, master: dict | None):
-        self.store = _store(backend, master, 0)
+    def __init__(self, transfer, master: dict | None):
+        self.store = _store(transfer, master, lend=False)
 
     def get(self, ref, want: int) -> float:
         t0 = time.perf_counter()
@@ -151,8 +154,9 @@ def run_bench(args, producer_opts: dict, consumer_opts: dict, master: dict | Non
 
     for backend in args.backends:
         segment = 4 * columns_nbytes(make_payload(max(args.sizes))) + (256 << 20)
-        prod = ray.remote(Producer).options(**producer_opts).remote(backend, master, args.sizes, segment)
-        cons = ray.remote(Consumer).options(**consumer_opts).remote(backend, master)
+        transfer = transfer_config(backend, args.chunk_bytes, segment)
+        prod = ray.remote(Producer).options(**producer_opts).remote(transfer, master, args.sizes)
+        cons = ray.remote(Consumer).options(**consumer_opts).remote(transfer, master)
         try:
             for n in args.sizes:
                 puts, gets = [], []
@@ -175,8 +179,9 @@ def run_bench(args, producer_opts: dict, consumer_opts: dict, master: dict | Non
                 ray.get(a.close.remote())
                 ray.kill(a)
     if args.tcp:
-        prod = ray.remote(Producer).options(**producer_opts).remote("ray", None, [64], 0)
-        cons = ray.remote(Consumer).options(**consumer_opts).remote("ray", None)
+        ray_transfer = transfer_config("ray", args.chunk_bytes, 0)
+        prod = ray.remote(Producer).options(**producer_opts).remote(ray_transfer, None, [64])
+        cons = ray.remote(Consumer).options(**consumer_opts).remote(ray_transfer, None)
         for n in args.sizes:
             nbytes = int(next(r["mb"] for r in rows if r["n"] == n) * 1e6)
             host, port = ray.get(prod.serve_tcp.remote(nbytes, args.warmup + args.runs))
@@ -208,8 +213,7 @@ def same_host(args) -> None:
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING",
-                                       "BENCH_CHUNK_BYTES": str(args.chunk_bytes)}})
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING"}})
     master = MooncakeMaster("127.0.0.1", log_path="/tmp/transfer_bench_master.log").start()
     try:
         rows = run_bench(args, {"num_cpus": 0}, {"num_cpus": 0},
@@ -227,8 +231,7 @@ def inner_two_hosts(args) -> None:
     from transfer.data.mooncake_master import MooncakeMaster
 
     ray.init(address=args.ray_address, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING",
-                                       "BENCH_CHUNK_BYTES": str(args.chunk_bytes)}})
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING"}})
     master = MooncakeMaster(args.host_a, log_path="/tmp/transfer_bench_master_2h.log").start()
     try:
         rows = run_bench(args, {"num_cpus": 0, "resources": {"hostA": 0.01}},
@@ -333,7 +336,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--two-hosts", action="store_true", help="two network namespaces (root)")
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 512, 2048])
-    p.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -344,7 +347,6 @@ def main() -> None:
     p.add_argument("--host-a", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.tcp = args.two_hosts or args.inner
-    os.environ["BENCH_CHUNK_BYTES"] = str(args.chunk_bytes)  # actors inherit it via Ray
     args.out = args.out or os.path.join(REPO, "benchmarks", "results",
                                         "transfer_two_hosts.json" if args.tcp else "transfer_same_host.json")
     if args.inner:
