@@ -92,7 +92,7 @@ class HFRolloutConfig(RolloutConfig):
     max_batch_size: int = 256
     """Most requests the CPU engine decodes together."""
     batch_wait_ms: float = 5.0
-    """How long the engine waits for more requests before starting a batch."""
+    """A batch closes once no request has arrived for this long (ms), or at max_batch_size."""
     device: str = "cpu"
     """Device of the CPU engine's model (``cpu``; ``cuda`` works where available)."""
 
