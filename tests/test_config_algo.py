@@ -1,4 +1,4 @@
-"""The policy-update options of ``algo`` (issue 12): every bad value is refused with a
+"""The policy-update options of ``algo``: every bad value is refused with a
 ValueError that names the field, before any worker starts; every valid choice composes."""
 
 from __future__ import annotations
