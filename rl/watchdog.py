@@ -1,0 +1,106 @@
+"""The driver watches what a run depends on and says which one died.
+
+Without it a dead Mooncake master surfaces only when a client's RPC gives up (26.5 s,
+measured, as a ``put ... RPC_FAIL`` from the manager) and a dead node as whatever actor
+call happened to be waiting. A thread probes each dependency once a second: a TCP connect to
+the master and to every engine server (the kernel accepts even while the server is busy, so
+a refusal means the process is gone), and Ray's node table for the nodes alive at start. On
+the first death it records what died and interrupts the main thread as Ctrl-C does, so the
+run unwinds through its ``finally`` blocks and ``Cluster.__exit__`` raises an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from typing import Callable, Optional
+from urllib.parse import urlsplit
+
+Probe = Callable[[], Optional[str]]
+"""None while alive, else why it is considered dead."""
+
+
+class Watchdog:
+    def __init__(self, period_s: float = 1.0, misses: int = 3) -> None:
+        self.period_s = period_s
+        self.misses = misses  # consecutive timeouts that count as dead (a refusal counts at once)
+        self.probes: list[tuple[str, Probe]] = []
+        self.failure: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self, name: str, probe: Probe) -> None:
+        self.probes.append((name, probe))
+
+    def watch_port(self, name: str, host: str, port: int) -> None:
+        state = {"timeouts": 0}
+
+        def probe() -> Optional[str]:
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+                state["timeouts"] = 0
+                return None
+            except socket.timeout:
+                state["timeouts"] += 1
+                return f"no answer on {host}:{port} for {self.misses} probes" \
+                    if state["timeouts"] >= self.misses else None
+            except OSError as e:  # refused / unreachable: nothing listens there any more
+                return f"{host}:{port} refuses connections ({e.strerror or e})"
+
+        self.watch(name, probe)
+
+    def watch_url(self, name: str, url: str) -> None:
+        u = urlsplit(url)
+        self.watch_port(name, u.hostname or "127.0.0.1", u.port or 80)
+
+    def check_now(self) -> Optional[str]:
+        """Probe everything once; the first death found (or the one already recorded)."""
+        if self.failure is None:
+            for name, probe in self.probes:
+                why = probe()
+                if why is not None:
+                    self.failure = f"{name} died: {why}"
+                    break
+        return self.failure
+
+    def start(self) -> "Watchdog":
+        # a driver started in the background (nohup, a job runner) may inherit SIGINT ignored;
+        # the interrupt below must reach the main thread as KeyboardInterrupt
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            if self.check_now() is not None:
+                print(f"[watchdog] {self.failure}; stopping the run", flush=True)
+                os.kill(os.getpid(), signal.SIGINT)  # the main thread unwinds as on Ctrl-C
+                return
+
+
+def ray_nodes_probe() -> Probe:
+    """Dead when a node alive now (at the call) leaves Ray's node table."""
+    import ray
+
+    from rl.nodes import describe_nodes
+
+    def alive() -> dict[str, dict]:
+        return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+
+    start = alive()
+
+    def probe() -> Optional[str]:
+        gone = [n for i, n in start.items() if i not in alive()]
+        return f"{describe_nodes(gone)} left the cluster" if gone else None
+
+    return probe
