@@ -37,6 +37,7 @@ class Cluster:
         self._pgs: list[Any] = []
         self._started_ray = False
         self._stop_services = None
+        self.watchdog = None  # set by __enter__: the entry points' runs watch their dependencies
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -52,6 +53,9 @@ class Cluster:
                      include_dashboard=False, runtime_env={"env_vars": env},
                      logging_level="WARNING")
             self._started_ray = True
+        from rl.nodes import check_nodes
+
+        check_nodes(cfg.cluster, ray.nodes())  # a missing node or resource, named, before any worker
         num_nodes = len([n for n in ray.nodes() if n["Alive"]])
         services, self._stop_services = cfg.transfer.start_services(
             self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
@@ -113,8 +117,9 @@ class Cluster:
                 for i, u in enumerate(self.engine_urls)]
 
     # -- stop --------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop everything this run started; safe to call after a partial start."""
+    def shutdown(self, timeout_s: float = 60) -> None:
+        """Stop everything this run started; safe to call after a partial start.
+        ``timeout_s``: bound on each graceful close (short when something already died)."""
         import ray
 
         if not ray.is_initialized():
@@ -122,11 +127,11 @@ class Cluster:
         for closer in (self.learners, self.rollout, self.store):
             if closer is not None:
                 try:
-                    closer.close()
+                    closer.close(timeout_s) if closer is not self.store else closer.close()
                 except Exception as e:  # keep stopping the rest; say what failed
                     print(f"[cluster] {type(closer).__name__}.close failed: {e}", flush=True)
         try:
-            ray.get([e.stop.remote() for e in self.engines], timeout=30)
+            ray.get([e.stop.remote() for e in self.engines], timeout=min(30, timeout_s))
         except Exception as e:
             print(f"[cluster] stopping engines: {e}", flush=True)
         for a in self.engines + (self.learners.actors if self.learners else []) + \
@@ -141,13 +146,36 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         try:
-            return self.start()
+            self.start()
+            self.watchdog = self._watch()
+            return self
         except BaseException:
             self.shutdown()
             raise
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failure = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            # an actor error can arrive before the next probe: look once more
+            failure = self.watchdog.check_now() if exc_type is not None else self.watchdog.failure
+        self.shutdown(timeout_s=10 if failure else 60)  # graceful closes may wait on the dead
+        if failure:
+            raise RuntimeError(f"the run stopped: {failure}") from exc
+
+    def _watch(self):
+        """Probes of the Mooncake master, each engine server and the Ray nodes (rl.watchdog)."""
+        from rl.watchdog import Watchdog, ray_nodes_probe
+
+        dog = Watchdog()
+        master = self.runtime.transfer.get("master_server_address")
+        if master:
+            host, _, port = master.rpartition(":")
+            dog.watch_port(f"the Mooncake store's master at {master}", host, int(port))
+        for i, url in enumerate(self.engine_urls):
+            dog.watch_url(f"engine-{i} ({url})", url)
+        dog.watch("a Ray node", ray_nodes_probe())
+        return dog.start()
 
 
 class RolloutHandle:
@@ -229,8 +257,8 @@ class RolloutHandle:
     def load_state_dict(self, state: dict) -> None:
         self._ray.get(self.actor.load_state_dict.remote(state))
 
-    def close(self) -> None:
-        self._ray.get(self.actor.close.remote(), timeout=60)
+    def close(self, timeout_s: float = 60) -> None:
+        self._ray.get(self.actor.close.remote(), timeout=timeout_s)
 
 
 class LearnerGroup:
@@ -272,8 +300,8 @@ class LearnerGroup:
     def load(self, path: str) -> None:
         self._all("load", path)
 
-    def close(self) -> None:
-        self._all("close", timeout=60)
+    def close(self, timeout_s: float = 60) -> None:
+        self._all("close", timeout=timeout_s)
 
 
 def estimate_step_bytes(cfg: Config) -> int:

@@ -15,6 +15,8 @@ class ClusterConfig:
     """Placement label."""
     address: Optional[str] = None
     """Ray cluster to join (``auto`` or host:port); unset = start a local Ray."""
+    min_nodes: int = 1
+    """Alive Ray nodes the placement needs; fewer is refused before any worker starts."""
     num_engines: int = 2
     """Rollout engine processes."""
     num_learners: int = 2
@@ -36,7 +38,7 @@ class ClusterConfig:
     separate pools; ``train.py`` on CPU only (GPU time-sharing is not implemented)."""
 
     def __post_init__(self) -> None:
-        positive(self, "num_engines", "num_learners", "torch_threads")
+        positive(self, "num_engines", "num_learners", "torch_threads", "min_nodes")
         if self.gpus_per_engine < 0 or self.gpus_per_learner not in (0, 1):
             raise ValueError("cluster.gpus_per_engine must be >= 0 and cluster.gpus_per_learner 0 or 1")
         if self.colocate and (self.gpus_per_engine or self.gpus_per_learner):

@@ -28,8 +28,15 @@ PROTOCOLS = ("tcp", "rdma")
 
 
 def resolve_protocol(protocol: Optional[str]) -> str:
-    """``protocol``, else env MOONCAKE_PROTOCOL, else tcp."""
-    proto = protocol or os.environ.get("MOONCAKE_PROTOCOL") or "tcp"
+    """``protocol``, else env MOONCAKE_PROTOCOL, else tcp. A set protocol that the exported
+    variable contradicts is refused: silently ignoring the variable hid a node set up for
+    RDMA running over TCP (or the reverse)."""
+    env = os.environ.get("MOONCAKE_PROTOCOL") or None
+    if protocol and env and env != protocol:
+        raise ValueError(f"transfer.protocol={protocol!r} but MOONCAKE_PROTOCOL={env!r} is exported "
+                         f"on this node: use transfer=mooncake_tcp (it follows MOONCAKE_PROTOCOL) "
+                         f"or transfer=mooncake_rdma, or unset MOONCAKE_PROTOCOL")
+    proto = protocol or env or "tcp"
     if proto not in PROTOCOLS:
         raise ValueError(f"MOONCAKE_PROTOCOL={proto!r}: use tcp or rdma")
     return proto

@@ -1,0 +1,95 @@
+"""Bad two-node input is refused before any worker starts, naming what is missing; the
+driver's watchdog names a dependency that died; MOONCAKE_PROTOCOL is honoured."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rl.nodes import check_nodes
+from tests.conftest import REPO, compose, pids_with
+
+
+def _node(ip: str, **resources: float) -> dict:
+    return {"Alive": True, "NodeID": ip, "NodeManagerAddress": ip,
+            "Resources": {"CPU": 2.0, "memory": 1e9, f"node:{ip}": 1.0, **resources}}
+
+
+HEAD, WORKER = _node("10.0.0.1", rollout_node=1), _node("10.0.0.2", train_node=1)
+
+
+def test_two_node_placement_is_two_node_8x8_with_other_numbers():
+    cpu, gpu = compose("cluster=two_node").cluster, compose("cluster=two_node_8x8", "rollout=sglang").cluster
+    same = ("address", "min_nodes", "engine_resource", "learner_resource")
+    assert [getattr(cpu, f) for f in same] == [getattr(gpu, f) for f in same] == \
+        ["auto", 2, "rollout_node", "train_node"]
+    assert (cpu.gpus_per_engine, cpu.gpus_per_learner) == (0, 0)
+    check_nodes(cpu, [HEAD, WORKER])
+
+
+@pytest.mark.parametrize("nodes,fragment", [
+    ([HEAD], "cluster=two_node needs 2 Ray nodes but the Ray cluster has 1 (10.0.0.1 ['rollout_node'])"),
+    ([HEAD, _node("10.0.0.2")], "no Ray node has the resource 'train_node' that cluster.learner_resource "
+                                "pins the training pool to"),
+    ([_node("10.0.0.1"), WORKER], "no Ray node has the resource 'rollout_node'"),
+    ([HEAD, {**WORKER, "Alive": False}], "has 1"),
+    ([_node("10.0.0.1", rollout_node=1, train_node=1), _node("10.0.0.2")],
+     "only ['10.0.0.1'] can hold them"),
+])
+def test_missing_node_or_resource_is_named(nodes, fragment):
+    with pytest.raises(ValueError) as e:
+        check_nodes(compose("cluster=two_node").cluster, nodes)
+    assert fragment in str(e.value)
+    assert "ray start" in str(e.value) or "start_worker.sh" in str(e.value)
+
+
+def test_gpu_pool_larger_than_the_nodes_is_refused():
+    cfg = compose("cluster=two_node_8x8", "rollout=sglang").cluster
+    with pytest.raises(ValueError, match=r"rollout pool needs 8 x 1 GPUs but the nodes with "
+                                         r"'rollout_node' have 4"):
+        check_nodes(cfg, [_node("10.0.0.1", rollout_node=1, GPU=4), _node("10.0.0.2", train_node=1, GPU=8)])
+
+
+def test_two_node_on_a_one_node_ray_is_refused_before_workers_start(tmp_path):
+    """A real local Ray (one node): the run stops at the node check, starts no engine and
+    leaves no Ray process."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "train.py", "cluster=two_node", "cluster.address=null",
+                           "logger=console", f"output_dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "cluster=two_node needs 2 Ray nodes but the Ray cluster has 1" in out, \
+        out[-3000:]
+    assert "[cluster] starting" not in out and time.monotonic() - t0 < 60
+    assert pids_with(str(tmp_path)) == [] and pids_with("ray::") == []
+
+
+def test_mooncake_protocol_env_is_honoured(monkeypatch):
+    from transfer.data.mooncake_bootstrap import resolve_protocol
+
+    assert compose("transfer=mooncake_tcp").transfer.protocol is None  # left to the env
+    assert compose("transfer=mooncake_rdma").transfer.protocol == "rdma"
+    monkeypatch.delenv("MOONCAKE_PROTOCOL", raising=False)
+    assert resolve_protocol(None) == "tcp"
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "rdma")
+    assert resolve_protocol(compose("transfer=mooncake_tcp").transfer.protocol) == "rdma"
+    assert resolve_protocol("rdma") == "rdma"
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    with pytest.raises(ValueError, match="transfer.protocol='rdma' but MOONCAKE_PROTOCOL='tcp'"):
+        resolve_protocol("rdma")
+
+
+def test_watchdog_names_a_port_that_stopped_listening():
+    from rl.watchdog import Watchdog
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    dog = Watchdog()
+    dog.watch_port("engine-0 (http://127.0.0.1:%d)" % port, "127.0.0.1", port)
+    assert dog.check_now() is None
+    srv.close()
+    assert dog.check_now().startswith(f"engine-0 (http://127.0.0.1:{port}) died: 127.0.0.1:{port} refuses")
