@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 # Exact versions of every package of the CPU environment; `make lock` regenerates it.
 LOCK := constraints-cpu.txt
 EXTRAS := cpu,test,sglang-contract
+TORCH_VERSION := $(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' $(LOCK))
 # The one pinned SGLang release (rl/rollout/sglang_version.py), for the contract tests.
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' rl/rollout/sglang_version.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
@@ -32,12 +33,13 @@ $(STAMP): pyproject.toml rl/rollout/sglang_version.py $(LOCK)
 lock:
 	rm -rf .lock-venv && $(PY) -m venv .lock-venv
 	.lock-venv/bin/pip install -q --upgrade pip
-	.lock-venv/bin/pip install -q torch==2.13.0
+	.lock-venv/bin/pip install -q torch==$(TORCH_VERSION)
 	.lock-venv/bin/pip install -q ".[$(EXTRAS)]"
-	{ echo "# make lock: the CPU environment the tests passed with (torch from its CPU wheel;"; \
-	  echo "# sglang==$(SGLANG_VERSION) is installed --no-deps on top, see the Makefile)."; \
-	  .lock-venv/bin/pip freeze --exclude-editable | grep -v '^rl-datapath'; } > $(LOCK)
-	rm -rf .lock-venv
+	{ echo "# make lock: the CPU environment the tests passed with. torch without its local label"; \
+	  echo "# (+cpu), so the build this machine's index serves fits; sglang==$(SGLANG_VERSION) is"; \
+	  echo "# installed --no-deps on top (see the Makefile)."; \
+	  .lock-venv/bin/pip freeze --exclude-editable | grep -v '^rl-datapath' | sed 's/^\(torch==[^+]*\)+.*/\1/'; } > $(LOCK)
+	rm -rf .lock-venv build *.egg-info
 
 venv: $(STAMP)
 

@@ -28,6 +28,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from rl.config import compose  # noqa: E402  (train.py composes the same way)
 
 # What the table shows: (label, reference key, distributed key). None: the part does not exist.
 PARTS = [
@@ -42,17 +43,6 @@ PARTS = [
 ]
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from rl.config import load, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
-        return load(hydra_compose("config", overrides=overrides))
-
-
 def reference(overrides: list[str], steps: int, threads: int) -> list[dict[str, float]]:
     """The single-process loop; per step, seconds of each part."""
     import numpy as np
@@ -64,7 +54,7 @@ def reference(overrides: list[str], steps: int, threads: int) -> list[dict[str, 
     from rl.rollout.engines.sampling import GenRequest, parse_sampling_params
     from rl.rollout.manager import encode_prompt
 
-    cfg = compose(overrides)
+    cfg = compose(*overrides)
     rc, a = cfg.rollout, cfg.algo
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)

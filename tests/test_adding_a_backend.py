@@ -15,9 +15,9 @@ import rl.config.transfer as transfer_configs
 from rl.config.transfer import TransferConfig
 from tests.conftest import compose
 from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
-    open_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
-    test_results_of_earlier_gets_stay_intact, test_rollout_batch_round_trip, test_round_trip_across_processes,
-    test_the_store_follows_the_protocol)
+    PROBES, registered_case, test_a_ref_of_another_backend_is_refused,
+    test_remove_is_idempotent_and_leaves_nothing, test_results_of_earlier_gets_stay_intact,
+    test_rollout_batch_round_trip, test_round_trip_across_processes, test_the_store_follows_the_protocol)
 from transfer.data import codec
 from transfer.data.base import Columns, RemovedError, StoreRef
 
@@ -111,40 +111,45 @@ shelf_prefix: test-shelf
 """
 
 
+def shelf_holds(services: dict, ref: StoreRef) -> bool:
+    """The leak probe: read the shelf's own keys, not through the store client."""
+    import ray
+
+    return ref.key in ray.get(ray.get_actor(services["shelf"]).keys.remote())
+
+
 @pytest.fixture(scope="module")
 def memory_backend(tmp_path_factory):
     """Registers the backend as a real one is registered (schema, YAML, BACKENDS entry) and
-    takes it out again afterwards; returns the overrides that choose it."""
+    takes it out again afterwards; returns its label."""
     conf = tmp_path_factory.mktemp("conf")
     (conf / "transfer").mkdir()
     (conf / "transfer" / "memory.yaml").write_text(YAML)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(transfer_configs.SCHEMAS, "memory", MemoryTransferConfig)
-        # 4. the registry entry: what the conformance suite, the matrix and the benchmark read
-        mp.setitem(transfer_configs.BACKENDS, "memory", ["transfer=memory", f"hydra.searchpath=[file://{conf}]"])
-        yield transfer_configs.BACKENDS["memory"]
+        # 4. the registry entry: what the conformance suite, the matrices and the benchmark read
+        mp.setitem(transfer_configs.BACKENDS, "memory",
+                   ["transfer=memory", f"hydra.searchpath=[file://{conf}]"])
+        mp.setitem(PROBES, MemoryTransferConfig, shelf_holds)  # the suite's leak check
+        yield "memory"
 
 
 def test_the_new_backend_composes_like_a_built_in_one(memory_backend):
-    cfg = compose(*memory_backend, "transfer.shelf_prefix=other")
+    overrides = transfer_configs.BACKENDS[memory_backend]
+    cfg = compose(*overrides, "transfer.shelf_prefix=other")
     assert isinstance(cfg.transfer, MemoryTransferConfig)
     assert (cfg.transfer.name, cfg.transfer.shelf_prefix) == ("memory", "other")
     with pytest.raises(Exception, match="no_such_field"):
-        compose(*memory_backend, "transfer.no_such_field=1")  # the schema is enforced
+        compose(*overrides, "transfer.no_such_field=1")  # the schema is enforced
 
 
 @pytest.fixture(scope="module")
 def store_case(memory_backend, ray_local, tmp_path_factory):
-    shelves: list = []
-
-    def held_by(services, ref) -> bool:
-        shelf = ray_local.get_actor(services["shelf"])
-        shelves.append(shelf)
-        return ref.key in ray_local.get(shelf.keys.remote())
-
-    transfer = compose(*memory_backend).transfer
-    with open_case("memory", transfer, str(tmp_path_factory.mktemp("memory")), ray_local, held_by) as case:
+    """The same path as tests/test_store_conformance.py: the registry entry, composed and built."""
+    with registered_case(memory_backend, str(tmp_path_factory.mktemp("memory")), ray_local) as case:
+        assert isinstance(case.producer, MemoryStore) and case.held is not None
         yield case
-        assert ray_local.get(shelves[-1].keys.remote()) == []  # every test removed its data
+        shelf = ray_local.get_actor(case.services["shelf"])
+        assert ray_local.get(shelf.keys.remote()) == []  # every test removed its data
     with pytest.raises(ValueError):  # stopped with the case, as a master is
         ray_local.get_actor(case.services["shelf"])

@@ -86,6 +86,7 @@ def test_sizes(value, expected):
     ("checkpoint.resume=/nonexistent", "checkpoint.resume='/nonexistent' is not a checkpoint"),
     ("algo.max_staleness=-1", "algo.max_staleness=-1 must be >= 0"),
     ("rollout.max_inflight_batches=0", "rollout.max_inflight_batches=0: the queue needs room"),
+    ("rollout.batch_wait_ms=-1", "rollout.batch_wait_ms=-1.0 must be >= 0"),
     ("rollout.pause_mode=abort", "'abort' would end the requests in flight"),
     (("cluster.gpus_per_learner=1", "cluster.colocate=true"), "cluster.colocate=true with GPUs"),
     ("cluster.gpus_per_engine=1", "rollout=hf runs one process per engine"),

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from rl.config.transfer import BACKENDS
-from tests.conftest import compose, pids_with
+from tests.conftest import pids_with
 from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
-    open_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
+    registered_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
     test_results_of_earlier_gets_stay_intact, test_rollout_batch_round_trip, test_round_trip_across_processes,
     test_the_store_follows_the_protocol)
 from tests.test_codec import assert_same
@@ -23,29 +23,10 @@ from transfer.data.mooncake_master import MooncakeMaster, list_keys
 from transfer.data.mooncake_store import MooncakeStore
 
 
-_RAY_IDS: dict[str, bytes] = {}
-
-
-def held_by(services: dict, ref) -> bool:
-    """Ray: the object is in the reference table of its owner (this process, which put it);
-    Ray frees an object when it leaves that table. Mooncake: keys under the ref's key on the
-    master (the bundle codec writes them with '_' for '/')."""
-    if ref.backend == "ray":
-        import ray
-
-        if ref.handle:  # remove() empties it: remember the object's id while it is there
-            _RAY_IDS[ref.key] = ref.handle[0].hex().encode()
-        counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
-        return _RAY_IDS[ref.key] in counts
-    keys = list_keys(services["admin_url"])
-    return any(ref.key in k or ref.key.replace("/", "_") in k for k in keys)
-
-
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
 def store_case(request, ray_local, tmp_path_factory):
     label = request.param
-    with open_case(label, compose(*BACKENDS[label]).transfer, str(tmp_path_factory.mktemp(label)), ray_local,
-                   held_by) as case:
+    with registered_case(label, str(tmp_path_factory.mktemp(label)), ray_local) as case:
         yield case
         if "admin_url" in case.services:
             assert list_keys(case.services["admin_url"]) == []  # every test removed its keys

@@ -69,3 +69,30 @@ def test_a_refused_bucket_fails_the_push_at_once_naming_the_engine(engine, tiny_
     assert "engine-0" in str(e.value) and "begin_weight_update() and end_weight_update()" in str(e.value)
     proc.stop()  # the engine never joined the broadcast: end it before the group goes
     sync.close()
+
+
+def test_a_bucket_refused_mid_push_still_gathers_every_parameter(engine, tiny_path):
+    """After a failure the rank keeps gathering without sending: under FSDP every parameter's
+    gather is a collective, and the other learner ranks would wait in it for 30 minutes."""
+    _, url = engine
+    client = EngineClient(url, "engine-0", timeout_s=60)
+    sync = _sync()
+    sync.connect([client])
+    params = list(load_model(tiny_path).named_parameters())
+    half = len(params) // 2
+    poisoned = params[:half] + [("no.such.weight", torch.zeros(3))] + params[half:]
+    gathered: list[str] = []
+
+    def each_gathered():
+        for name, p in poisoned:
+            gathered.append(name)
+            yield name, p
+
+    try:
+        with pytest.raises(RuntimeError, match="engine-0.*not in this model"):
+            sync.push(each_gathered(), 1)
+        assert gathered == [n for n, _ in poisoned]  # every parameter, after the failure too
+        sync.push(params, 2)  # the session of the failed push was closed
+        assert client.get_weight_version() == "2"
+    finally:
+        sync.close()

@@ -55,15 +55,18 @@ def start_child(cmd: list[str], *, name: str, log_path: str, ready: Callable[[],
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env} if env else None,
                                 preexec_fn=die_with_parent if tie_to_parent else None)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} while starting; "
-                               f"last lines of {log_path}:\n{log_tail(log_path)}")
-        if ready():
-            return proc
-        time.sleep(poll_s)
-    stop(proc)
-    hint = f" ({timeout_hint})" if timeout_hint else ""
-    raise RuntimeError(f"{name} did not answer {waits_for} within {timeout_s:.0f}s{hint}; "
-                       f"last lines of {log_path}:\n{log_tail(log_path)}")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} while starting; "
+                                   f"last lines of {log_path}:\n{log_tail(log_path)}")
+            if ready():
+                return proc
+            time.sleep(poll_s)
+        hint = f" ({timeout_hint})" if timeout_hint else ""
+        raise RuntimeError(f"{name} did not answer {waits_for} within {timeout_s:.0f}s{hint}; "
+                           f"last lines of {log_path}:\n{log_tail(log_path)}")
+    except BaseException:
+        stop(proc)  # a failed check, a timeout or Ctrl-C: no child is left behind
+        raise

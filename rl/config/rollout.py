@@ -99,6 +99,8 @@ class HFRolloutConfig(RolloutConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         positive(self, "max_batch_size")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"rollout.batch_wait_ms={self.batch_wait_ms} must be >= 0")
 
     def server_command(self, model_path: str, host: str, port: int, index: int,
                        seed: int, gpus: int, dtype: str = "float32") -> list[str]:

@@ -123,7 +123,13 @@ class Learner:
         metrics["transfer/get_ms"] = float(get_ms)
         metrics["transfer/get_gbps"] = sum(p.nbytes for p in ref.partitions) / 1e9 / max(
             float(get_ms) / 1e3, 1e-9)  # GB/s of payload
-        metrics.update({f"transfer/{k}": v for k, v in self.store.get_timings_ms.items()})
+        # The store's own timings of this get, slowest rank as for get_ms (every rank runs the
+        # same backend, so the same names in the same order).
+        names = sorted(self.store.get_timings_ms)
+        if names:
+            slowest = torch.tensor([self.store.get_timings_ms[k] for k in names], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            metrics.update({f"transfer/{k}": float(v) for k, v in zip(names, slowest.tolist())})
         metrics["train/step_time"] = time.perf_counter() - t0
         metrics["train/started_at"], metrics["train/finished_at"] = started, time.time()
         return metrics

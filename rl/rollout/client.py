@@ -187,7 +187,9 @@ class EngineClient:
                              {"name": name, "truncate_size": truncate_size})
 
     # -- data plane ----------------------------------------------------------------------
-    async def agenerate(self, session, payload: dict, timeout_s: float) -> dict:
+    async def agenerate(self, session, payload: dict, timeout_s: float) -> list[dict]:
+        """One ``/generate`` of one prompt; one answer per sample (SGLang answers a list when
+        ``sampling_params.n`` > 1 and one object when it is 1)."""
         import aiohttp
 
         try:
@@ -196,9 +198,13 @@ class EngineClient:
                 body = await r.json(content_type=None)
                 if r.status != 200:
                     raise EngineError(f"{self.name}/generate: HTTP {r.status}: {body}", r.status)
-                return body
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise EngineError(f"{self.name}/generate: no answer ({type(e).__name__}: {e})") from None
+        n = payload.get("sampling_params", {}).get("n", 1)
+        group = body if isinstance(body, list) else [body]
+        if len(group) != n:
+            raise EngineError(f"{self.name}/generate: {len(group)} answers to a request of n={n}")
+        return group
 
 
 class EnginePool:
@@ -210,7 +216,7 @@ class EnginePool:
         self.clients = clients
         self.inflight = [0] * len(clients)
 
-    async def generate(self, session, payload: dict, timeout_s: float) -> dict:
+    async def generate(self, session, payload: dict, timeout_s: float) -> list[dict]:
         i = min(range(len(self.clients)), key=self.inflight.__getitem__)
         self.inflight[i] += 1
         try:

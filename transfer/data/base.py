@@ -36,7 +36,7 @@ class StoreRef:
     key: str
     """Store key (namespaced per run and step)."""
     backend: str
-    """Name of the backend that wrote it (``ray``, ``mooncake``)."""
+    """Name of the backend that wrote it (``ray``, ``mooncake``, ``mooncake-bundle``)."""
     nbytes: int
     """Payload size in bytes (array data; metadata excluded)."""
     handle: Any = None

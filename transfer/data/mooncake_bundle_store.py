@@ -20,6 +20,9 @@ from transfer.data.mooncake_client import MooncakeClient, MooncakeSettings, Stor
 
 
 class MooncakeBundleStore(MooncakeClient):
+    backend = "mooncake-bundle"  # its refs mean nothing to the packed codec, and vice versa
+    codec = "bundle"
+
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
         try:

@@ -17,9 +17,9 @@ from transfer.net import port_open
 
 # Mooncake ErrorCode values met on this path (mooncake-store/include/types.h).
 _ERRORS = {-10: "BUFFER_OVERFLOW", -200: "NO_AVAILABLE_HANDLE (segments full)",
-           -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
+           -704: "OBJECTNOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
            -800: "TRANSFER_FAIL", -900: "RPC_FAIL"}
-_NOT_FOUND = -704
+NOT_FOUND = -704
 SETUP_KEYS = {"local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
               "protocol", "rdma_devices", "master_server_addr", "ipc_socket_path",
               "enable_ssd_offload", "ssd_offload_path", "tenant_id", "enable_client_http_server",
@@ -108,8 +108,13 @@ class MooncakeClient:
     """One connected ``MooncakeDistributedStore`` and what every codec does with it."""
 
     backend = "mooncake"
+    codec = ""
+    """The ``settings.codec`` this class implements."""
 
     def __init__(self, settings: MooncakeSettings) -> None:
+        if settings.codec != self.codec:
+            raise ValueError(f"{type(self).__name__} implements codec {self.codec!r}, the settings ask "
+                             f"for {settings.codec!r}: build stores with open_store(settings)")
         self.settings = settings
         host, _, port = settings.master_server_address.rpartition(":")
         if not port.isdigit() or not port_open(host, int(port), timeout_s=3.0):
@@ -131,7 +136,7 @@ class MooncakeClient:
 
     def _check_ref(self, ref) -> None:
         if ref.backend != self.backend:
-            raise ValueError(f"ref {ref.key!r} was written by {ref.backend!r}, not by mooncake")
+            raise ValueError(f"ref {ref.key!r} was written by {ref.backend!r}, not by {self.backend}")
 
     def _fail(self, what: str, rc: int, error: type[StoreError] = StoreError) -> StoreError:
         name = _ERRORS.get(rc, "error")
@@ -147,7 +152,7 @@ class MooncakeClient:
             return
         # force: a key is leased for a while after each read; remove may not wait for it
         rcs = self.client.batch_remove(list(keys), True)
-        bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, _NOT_FOUND)]
+        bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
         if bad and strict:
             raise self._fail(f"remove of {bad[0][0]!r}", bad[0][1])
 

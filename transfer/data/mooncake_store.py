@@ -18,6 +18,7 @@ segment of the client that mounted it and vanishes when that client closes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import threading
 import time
@@ -28,7 +29,7 @@ import numpy as np
 
 from transfer.data import codec
 from transfer.data.base import Columns, StoreRef
-from transfer.data.mooncake_client import (_NOT_FOUND, MooncakeClient, MooncakeSettings, StoreError,
+from transfer.data.mooncake_client import (NOT_FOUND, MooncakeClient, MooncakeSettings, StoreError,
                                            StoreRemovedError)
 
 
@@ -82,6 +83,8 @@ class _BufferPool:
 
 class MooncakeStore(MooncakeClient):
     """The packed codec (one registered buffer per batch, chunked)."""
+
+    codec = "packed"
 
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
@@ -140,6 +143,7 @@ class MooncakeStore(MooncakeClient):
         n, chunk = manifest["nbytes"], manifest["chunk_bytes"]
         keys = [f"{ref.key}/{i}" for i in range((n + chunk - 1) // chunk)]
         buf = self.receive.acquire(max(n, 1))
+        release = functools.partial(self.receive.release, buf)  # then a once-only finalizer
         try:
             if keys:
                 sizes = [min(chunk, n - i * chunk) for i in range(len(keys))]
@@ -147,19 +151,21 @@ class MooncakeStore(MooncakeClient):
                                                  sizes)
                 bad = [(k, rc) for k, rc, s in zip(keys, rcs, sizes) if rc != s]
                 if bad:
-                    found = bad[0][1] != _NOT_FOUND
+                    found = bad[0][1] != NOT_FOUND
                     gone = "" if found else " (removed already, or the learner holding its segment closed)"
                     raise self._fail(f"get of {bad[0][0]!r}{gone}", bad[0][1] if bad[0][1] < 0 else -10,
                                      StoreError if found else StoreRemovedError)
             t0 = time.perf_counter()
             # the views keep `exporter` alive; when the last one goes, the buffer is reused
             exporter = (ctypes.c_uint8 * max(n, 1)).from_address(buf.ptr)
-            weakref.finalize(exporter, self.receive.release, buf)
+            # runs at most once: a failed decode below must not release the buffer twice
+            # (it would then sit twice in the pool and serve two gets at once)
+            release = weakref.finalize(exporter, self.receive.release, buf)
             columns = codec.decode(manifest, exporter)
             self.get_timings_ms = {"decode_ms": (time.perf_counter() - t0) * 1e3}
             return columns
         except BaseException:
-            self.receive.release(buf)
+            release()
             raise
 
     def _read_manifest(self, key: str) -> dict:
