@@ -1,7 +1,12 @@
-"""Plot transfer benchmark results (PUT and GET medians per backend and batch size).
+"""Plot transfer benchmark results: PUT, GET and PUT+GET medians per case and batch size.
 
-    python benchmarks/plot_transfer.py benchmarks/results/transfer_same_host.json \
-        benchmarks/results/transfer_two_hosts.json docs/transfer_bench.png
+    python benchmarks/plot_transfer.py benchmarks/results/transfer_two_hosts.json \
+        benchmarks/results/transfer_same_host.json docs/transfer_bench.png
+
+A case is a backend in a layout (``training``: the consumer lends the Mooncake segment, as
+train.py; ``producer-lends``: the earlier benchmark layout; Ray has none). The PUT+GET panel
+also shows the link's ceilings for the same bytes: the Python socket's time and the bytes
+over iperf3's throughput.
 """
 
 from __future__ import annotations
@@ -14,33 +19,45 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"ray": "tab:blue", "mooncake-packed": "tab:green", "mooncake-bundle": "tab:orange",
-          "raw-tcp": "tab:gray"}
+# (backend, layout) -> label, colour, hatch
+CASES = {
+    ("ray", "-"): ("ray", "tab:blue", ""),
+    ("mooncake-packed", "training"): ("packed, training layout", "tab:green", ""),
+    ("mooncake-bundle", "training"): ("bundle, training layout", "tab:orange", ""),
+    ("mooncake-packed", "producer-lends"): ("packed, producer lends", "tab:green", "//"),
+    ("mooncake-bundle", "producer-lends"): ("bundle, producer lends", "tab:orange", "//"),
+    ("python-socket", "-"): ("Python socket (ceiling)", "tab:gray", ""),
+    ("iperf3", "-"): ("iperf3 (ceiling)", "lightgray", ""),
+}
 
 
 def main() -> None:
     *inputs, out = sys.argv[1:]
     results = [json.load(open(p)) for p in inputs]
-    fig, axes = plt.subplots(len(results), 2, figsize=(10, 3.4 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 3, figsize=(15, 3.8 * len(results)), squeeze=False)
     for row, res in zip(axes, results):
-        sizes = sorted({r["n"] for r in res["rows"]})
-        backends = [b for b in COLORS if any(r["backend"] == b for r in res["rows"])]
-        width = 0.8 / len(backends)
-        for col, (ax, what) in enumerate(zip(row, ("put_ms", "get_ms"))):
-            for i, b in enumerate(backends):
-                vals = [next((r[what] for r in res["rows"] if r["backend"] == b and r["n"] == n), None)
-                        for n in sizes]
+        rows = res["rows"]
+        sizes = sorted({r["n"] for r in rows})
+        mb = {r["n"]: r["mb"] for r in rows}
+        for ax, what, title in zip(row, ("put_ms", "get_ms", "sum_ms"), ("PUT", "GET", "PUT+GET")):
+            cases = [c for c in CASES if any((r["backend"], r["layout"]) == c and what in r
+                                             for r in rows)]
+            width = 0.8 / len(cases)
+            for i, c in enumerate(cases):
+                label, color, hatch = CASES[c]
+                vals = [next((r[what] for r in rows if (r["backend"], r["layout"]) == c
+                              and r["n"] == n), None) for n in sizes]
                 xs = [k + i * width for k, v in enumerate(vals) if v is not None]
-                ax.bar(xs, [v for v in vals if v is not None], width, label=b, color=COLORS[b])
-            ax.set_xticks([k + width * (len(backends) - 1) / 2 for k in range(len(sizes))])
-            mb = {r["n"]: r["mb"] for r in res["rows"]}
+                ax.bar(xs, [v for v in vals if v is not None], width, label=label, color=color,
+                       hatch=hatch, edgecolor="white" if hatch else None)
+            ax.set_xticks([k + width * (len(cases) - 1) / 2 for k in range(len(sizes))])
             ax.set_xticklabels([f"N={n}\n{mb[n]:.0f} MB" for n in sizes])
             ax.set_ylabel("ms (median)")
-            ax.set_title(f"{'PUT' if col == 0 else 'GET'}: {res['title']}", fontsize=9)
+            ax.set_title(f"{title}: {res['title']}", fontsize=9)
             ax.grid(axis="y", alpha=0.3)
-        row[1].legend(fontsize=8)
+        row[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
 

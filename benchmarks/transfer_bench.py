@@ -1,16 +1,33 @@
 """Rollout-data transfer benchmark: Ray object store vs Mooncake Store (packed and bundle).
 
-PUT runs in a producer process, GET in a different consumer process; both are Ray actors.
-The payload is a GRPO-shaped rollout batch (``rl.types.RolloutBatch``): N samples of 64..4096
-tokens with token ids, loss masks, log-probs, rewards, lengths, ids and short strings.
+PUT runs in a producer process (the rollout manager's place), GET in a consumer process
+(a learner rank's place); both are Ray actors, and every store is built as train.py builds
+it: the backend's config from ``rl.config.transfer.BACKENDS`` (Hydra overrides), the
+driver's ``start_services``, then the config's own ``build`` in each process. The payload is
+a GRPO-shaped rollout batch (``rl.types.RolloutBatch``): N samples of 64..4096 tokens with
+token ids, loss masks, log-probs, rewards, lengths, ids and short strings.
+
+Two Mooncake layouts (``--layouts``):
+
+* ``training``: the consumer lends the segment (learner local rank 0 builds with
+  ``contribute_segment=True``), the producer lends none, as in train.py: PUT writes to the
+  learner's node, GET reads locally.
+* ``producer-lends``: the layout this benchmark used before, the producer lends the segment:
+  PUT is local, GET crosses to the producer's node.
+
+Ray has no segment: its object stays on the producer's node and GET pulls it.
 
     python benchmarks/transfer_bench.py                       # same host (one Ray node)
     sudo python benchmarks/transfer_bench.py --two-hosts      # two network namespaces + veth
 
 ``--two-hosts`` creates two Linux network namespaces joined by a veth pair, starts a Ray head
-in one and a Ray worker in the other, runs the master and the producer on host A and the
-consumer on host B, measures the raw TCP throughput of the link as the ceiling, and removes
-everything at the end. Results: a table on stdout and JSON under benchmarks/results/.
+in A and a Ray worker in B, runs the master and the producer on host A and the consumer on
+host B, and removes everything at the end. Backends run interleaved, run by run (the order
+rotates every run), so noise hits them alike; in the same rounds the link's ceiling is
+measured twice: ``iperf3`` (1 s, one stream, A -> B) and a Python socket moving the payload's
+byte count. For the packed codec, each Mooncake client call is timed (``--no-calls`` to skip)
+to show where PUT and GET spend their time. Results: a table on stdout and JSON under
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -31,6 +49,10 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from rl.config.transfer import BACKENDS  # noqa: E402  (every registered data path)
+
+LAYOUTS = ("training", "producer-lends")
+"""Who lends the Mooncake segment: the consumer (as in train.py) or the producer."""
+IPERF3_PORT = 5201
 
 
 def make_payload(n: int, seed: int = 0) -> dict:
@@ -57,81 +79,126 @@ def checksum(cols: dict) -> int:
     return int(sum(int(t.sum()) for t in cols["tokens"]) + len(cols["label"]))
 
 
-def transfer_config(label: str, chunk_bytes: int, segment: int):
+def transfer_config(label: str, chunk_bytes: int, segment: int, master: dict | None = None):
     """The ``transfer`` config of a registered backend, composed as train.py composes it, with
-    the benchmark's chunk and segment sizes where the backend has such fields."""
+    the benchmark's chunk and segment sizes and the master's address where the backend has
+    such fields (the two-node quickstart sets the address through MOONCAKE_MASTER)."""
     from rl.config import compose
 
     transfer = compose(*BACKENDS[label]).transfer
-    sizes = {"chunk_bytes": chunk_bytes, "global_segment_size": max(segment, 16 << 20)}
-    extra = [f"transfer.{k}={v}" for k, v in sizes.items() if hasattr(transfer, k)]
+    fields = {"chunk_bytes": chunk_bytes, "global_segment_size": max(segment, 16 << 20)}
+    if master:
+        fields |= {"master_server_address": master["address"], "metadata_server": master["metadata"]}
+    extra = [f"transfer.{k}={v}" for k, v in fields.items() if hasattr(transfer, k)]
     return compose(*BACKENDS[label], *extra).transfer if extra else transfer
 
 
-def _store(transfer, master: dict | None, lend: bool):
-    """A store client built by the config's own ``build``, as a train.py process builds it."""
-    from rl.runtime import Runtime
+class _TimedClient:
+    """Wraps a Mooncake client: records the wall time of every call (name, ms)."""
 
-    services = {} if master is None else {"master_server_address": master["address"],
-                                          "metadata_server": master["metadata"]}
-    return transfer.build(Runtime("bench", "/tmp", "/unused", transfer=services),
-                          contribute_segment=lend)
+    def __init__(self, inner) -> None:
+        self._inner, self.calls = inner, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return attr(*a, **kw)
+            finally:
+                self.calls.append((name, (time.perf_counter() - t0) * 1e3))
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, ms in self.calls:
+            out[name] = out.get(name, 0.0) + ms
+        self.calls.clear()
+        return out
 
 
-class Producer:
-    def __init__(self, transfer, master: dict | None, sizes: list[int]):
-        self.store = _store(transfer, master, lend=True)
-        self.payloads = {n: make_payload(n) for n in sizes}
-        self.sums = {n: checksum(p) for n, p in self.payloads.items()}
+class _Side:
+    """One end of a case: a store client built by the config's own ``build``, as a train.py
+    process builds it (``lend``: contribute_segment, learner local rank 0 only)."""
 
-    def put(self, n: int, key: str):
-        t0 = time.perf_counter()
-        ref = self.store.put(self.payloads[n], key=key)
-        return ref, (time.perf_counter() - t0) * 1e3, self.sums[n]
+    def __init__(self, transfer, runtime, lend: bool, timed: bool) -> None:
+        from transfer.data.mooncake_store import MooncakeStore
 
-    def remove(self, ref) -> None:
-        self.store.remove([ref])
+        self.store = transfer.build(runtime, contribute_segment=lend)
+        self.timed = None
+        if timed and isinstance(self.store, MooncakeStore):  # the packed codec
+            self.timed = self.store.client = _TimedClient(self.store.client)
 
-    def serve_tcp(self, nbytes: int, count: int) -> tuple[str, int]:
-        """A one-shot TCP server that sends ``nbytes`` to each of ``count`` connections."""
-        import ray
+    def calls(self) -> dict[str, float]:
+        return self.timed.take() if self.timed else {}
 
-        host = ray.util.get_node_ip_address()
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((host, 0))
-        srv.listen(count)
-        data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
-
-        def run():
-            for _ in range(count):
-                conn, _ = srv.accept()
-                with conn:
-                    conn.sendall(data)
-            srv.close()
-
-        threading.Thread(target=run, daemon=True).start()
-        return host, srv.getsockname()[1]
+    def ready(self) -> bool:
+        return True
 
     def close(self) -> None:
         self.store.close()
 
 
-class Consumer:
-    def __init__(self, transfer, master: dict | None):
-        self.store = _store(transfer, master, lend=False)
+class Producer(_Side):
+    def __init__(self, transfer, runtime, lend: bool, timed: bool, sizes: list[int]):
+        super().__init__(transfer, runtime, lend, timed)
+        self.payloads = {n: make_payload(n) for n in sizes}
+        self.sums = {n: checksum(p) for n, p in self.payloads.items()}
+        self.blobs: dict[int, bytes] = {}
 
-    def get(self, ref, want: int) -> float:
+    def put(self, n: int, key: str):
+        self.calls()
+        t0 = time.perf_counter()
+        ref = self.store.put(self.payloads[n], key=key)
+        ms = (time.perf_counter() - t0) * 1e3
+        calls = self.calls()
+        if calls:  # encode_ms also covers the existence check: report it once
+            calls["encode"] = ref.timings_ms["encode_ms"] - calls.get("batch_is_exist", 0.0)
+        return ref, ms, self.sums[n], calls
+
+    def remove(self, ref) -> None:
+        self.store.remove([ref])
+
+    def serve_tcp(self, nbytes: int) -> tuple[str, int]:
+        """A one-shot TCP server that sends ``nbytes`` to one connection."""
+        import ray
+
+        if nbytes not in self.blobs:
+            self.blobs[nbytes] = np.random.default_rng(1).integers(0, 255, nbytes, np.uint8).tobytes()
+        data = self.blobs[nbytes]
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((ray.util.get_node_ip_address(), 0))
+        srv.listen(1)
+
+        def run():
+            conn, _ = srv.accept()
+            with conn:
+                conn.sendall(data)
+            srv.close()
+
+        threading.Thread(target=run, daemon=True).start()
+        return srv.getsockname()
+
+
+class Consumer(_Side):
+    def get(self, ref, want: int) -> tuple[float, dict]:
+        self.calls()
         t0 = time.perf_counter()
         cols = self.store.get(ref)
         ms = (time.perf_counter() - t0) * 1e3
+        calls = self.calls()
+        if calls:
+            calls["decode"] = self.store.get_timings_ms.get("decode_ms", 0.0)
         if checksum(cols) != want:
             raise RuntimeError(f"{ref.key}: payload differs after the round trip")
-        return ms
+        return ms, calls
 
     def fetch_tcp(self, host: str, port: int, nbytes: int) -> float:
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
+        view = memoryview(bytearray(nbytes))
         t0 = time.perf_counter()
         with socket.create_connection((host, port)) as s:
             got = 0
@@ -142,68 +209,195 @@ class Consumer:
                 got += k
         return (time.perf_counter() - t0) * 1e3
 
-    def close(self) -> None:
-        self.store.close()
+
+def iperf3(server: str) -> float:
+    """Throughput of the link in GB/s: one iperf3 stream for 1 s from here to ``server``."""
+    host, port = server.rsplit(":", 1)
+    r = subprocess.run(["iperf3", "-c", host, "-p", port, "-t", "1", "-J"], capture_output=True,
+                       text=True, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"iperf3 -c {server} failed: {r.stdout[-500:]} {r.stderr[-500:]}")
+    return json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 8e9
 
 
-def run_bench(args, producer_opts: dict, consumer_opts: dict, master: dict | None) -> list[dict]:
+def _median_calls(all_calls: list[dict]) -> dict[str, float]:
+    names = sorted({k for c in all_calls for k in c})
+    return {k: statistics.median(c.get(k, 0.0) for c in all_calls) for k in names}
+
+
+def run_bench(args, place_a: dict, place_b: dict, master: dict, num_nodes: int) -> list[dict]:
+    """Every case, interleaved: for each N and run, each case once, in an order that rotates
+    from run to run; the ceilings (iperf3, Python socket) take their turn in the same rounds."""
     import ray
 
-    rows = []
+    from rl.runtime import Runtime
     from transfer.data.base import columns_nbytes
 
-    for backend in args.backends:
-        segment = 4 * columns_nbytes(make_payload(max(args.sizes))) + (256 << 20)
-        transfer = transfer_config(backend, args.chunk_bytes, segment)
-        prod = ray.remote(Producer).options(**producer_opts).remote(transfer, master, args.sizes)
-        cons = ray.remote(Consumer).options(**consumer_opts).remote(transfer, master)
-        try:
-            for n in args.sizes:
-                puts, gets = [], []
-                for i in range(args.warmup + args.runs):
-                    ref, put_ms, want = ray.get(prod.put.remote(n, f"bench/{backend}/{n}/{i}"))
-                    get_ms = ray.get(cons.get.remote(ref, want))
-                    ray.get(prod.remove.remote(ref))
-                    del ref
-                    if i >= args.warmup:
-                        puts.append(put_ms)
-                        gets.append(get_ms)
-                nbytes = columns_nbytes(make_payload(n))
-                rows.append({"backend": backend, "n": n, "mb": nbytes / 1e6,
-                             "put_ms": statistics.median(puts), "get_ms": statistics.median(gets),
-                             "put_all": puts, "get_all": gets})
-                print(f"  {backend:16s} N={n:5d} {nbytes / 1e6:7.1f} MB  PUT {rows[-1]['put_ms']:8.1f} ms"
-                      f"  GET {rows[-1]['get_ms']:8.1f} ms", flush=True)
-        finally:
-            for a in (prod, cons):
-                ray.get(a.close.remote())
-                ray.kill(a)
-    if args.tcp:
-        ray_transfer = transfer_config("ray", args.chunk_bytes, 0)
-        prod = ray.remote(Producer).options(**producer_opts).remote(ray_transfer, None, [64])
-        cons = ray.remote(Consumer).options(**consumer_opts).remote(ray_transfer, None)
+    nbytes = {n: columns_nbytes(make_payload(n)) for n in args.sizes}
+    segment = 4 * max(nbytes.values()) + (256 << 20)
+    cases = [(b, "-") if b == "ray" else (b, lay) for b in args.backends
+             for lay in (["-"] if b == "ray" else args.layouts)]
+    actors, ceilings = {}, ["python-socket"] + (["iperf3"] if args.iperf3_server else [])
+    try:
+        for backend, layout in cases:
+            transfer = transfer_config(backend, args.chunk_bytes, segment, master)
+            # the driver's side of train.py: check the environment, resolve the master
+            services, stop = transfer.start_services(
+                Runtime("bench", "/tmp/transfer_bench", "/unused"), num_nodes=num_nodes,
+                bytes_per_step=max(nbytes.values()))
+            assert stop is None, "the benchmark starts the master itself"
+            runtime = Runtime("bench", "/tmp/transfer_bench", "/unused", transfer=services)
+            lend_prod = layout == "producer-lends"
+            prod = ray.remote(Producer).options(**place_a).remote(
+                transfer, runtime, lend_prod, args.calls, args.sizes)
+            cons = ray.remote(Consumer).options(**place_b).remote(
+                transfer, runtime, layout == "training", args.calls)
+            actors[(backend, layout)] = (prod, cons)
+            ray.get([prod.ready.remote(), cons.ready.remote()])
+        socket_pair = actors[cases[0]]
+        samples = {c: {"put": [], "get": [], "sum": [], "put_calls": [], "get_calls": []}
+                   for c in cases}
+        ceil = {c: [] for c in ceilings}
+        rows = []
         for n in args.sizes:
-            nbytes = int(next(r["mb"] for r in rows if r["n"] == n) * 1e6)
-            host, port = ray.get(prod.serve_tcp.remote(nbytes, args.warmup + args.runs))
-            times = [ray.get(cons.fetch_tcp.remote(host, port, nbytes))
-                     for _ in range(args.warmup + args.runs)][args.warmup:]
-            rows.append({"backend": "raw-tcp", "n": n, "mb": nbytes / 1e6, "put_ms": None,
-                         "get_ms": statistics.median(times), "get_all": times})
-            print(f"  {'raw-tcp':16s} N={n:5d} {nbytes / 1e6:7.1f} MB  fetch {rows[-1]['get_ms']:8.1f} ms",
-                  flush=True)
-        for a in (prod, cons):
-            ray.kill(a)
+            for s in samples.values():
+                for v in s.values():
+                    v.clear()
+            for v in ceil.values():
+                v.clear()
+            order = cases + ceilings
+            for i in range(args.warmup + args.runs):
+                k = i % len(order)
+                for case in order[k:] + order[:k]:
+                    if case == "python-socket":
+                        host, port = ray.get(socket_pair[0].serve_tcp.remote(nbytes[n]))
+                        v = ray.get(socket_pair[1].fetch_tcp.remote(host, port, nbytes[n]))
+                    elif case == "iperf3":
+                        v = iperf3(args.iperf3_server)
+                    else:
+                        prod, cons = actors[case]
+                        ref, put_ms, want, put_calls = ray.get(
+                            prod.put.remote(n, f"bench/{case[0]}/{case[1]}/{n}/{i}"))
+                        get_ms, get_calls = ray.get(cons.get.remote(ref, want))
+                        ray.get(prod.remove.remote(ref))
+                        del ref
+                    if i < args.warmup:
+                        continue
+                    if case in ceil:
+                        ceil[case].append(v)
+                    else:
+                        s = samples[case]
+                        s["put"].append(put_ms)
+                        s["get"].append(get_ms)
+                        s["sum"].append(put_ms + get_ms)
+                        s["put_calls"].append(put_calls)
+                        s["get_calls"].append(get_calls)
+            mb = nbytes[n] / 1e6
+            for (backend, layout), s in samples.items():
+                rows.append({"backend": backend, "layout": layout, "n": n, "mb": mb,
+                             "put_ms": statistics.median(s["put"]),
+                             "get_ms": statistics.median(s["get"]),
+                             "sum_ms": statistics.median(s["sum"]),
+                             "put_all": s["put"][:], "get_all": s["get"][:],
+                             "put_calls_ms": _median_calls(s["put_calls"]),
+                             "get_calls_ms": _median_calls(s["get_calls"])})
+                r = rows[-1]
+                print(f"  {backend:16s} {layout:15s} N={n:5d} {mb:6.1f} MB  PUT {r['put_ms']:7.1f}"
+                      f"  GET {r['get_ms']:7.1f}  PUT+GET {r['sum_ms']:7.1f} ms", flush=True)
+            if ceil["python-socket"]:
+                t = statistics.median(ceil["python-socket"])
+                rows.append({"backend": "python-socket", "layout": "-", "n": n, "mb": mb,
+                             "sum_ms": t, "gbps": mb / 1e3 / (t / 1e3),
+                             "all": ceil["python-socket"][:]})
+            if ceil.get("iperf3"):
+                g = statistics.median(ceil["iperf3"])
+                rows.append({"backend": "iperf3", "layout": "-", "n": n, "mb": mb,
+                             "sum_ms": mb / 1e3 / g * 1e3, "gbps": g, "all": ceil["iperf3"][:]})
+            for r in rows:
+                if r["n"] == n and "gbps" in r:
+                    print(f"  {r['backend']:32s} N={n:5d} {mb:6.1f} MB  {r['gbps']:.2f} GB/s "
+                          f"({r['sum_ms']:.1f} ms for the payload's bytes)", flush=True)
+    finally:
+        for prod, cons in actors.values():
+            for a in (prod, cons):  # consumers last in training layout: they hold the data
+                try:
+                    ray.get(a.close.remote())
+                finally:
+                    ray.kill(a)
     return rows
+
+
+def ratio(rows: list[dict], r: dict) -> tuple[float | None, float | None]:
+    """(Ray's PUT+GET / this PUT+GET, this throughput / iperf3's) for a row."""
+    ray_row = next((x for x in rows if x["backend"] == "ray" and x["n"] == r["n"]), None)
+    ip = next((x for x in rows if x["backend"] == "iperf3" and x["n"] == r["n"]), None)
+    speed = ray_row["sum_ms"] / r["sum_ms"] if ray_row else None
+    link = (r["mb"] / r["sum_ms"]) / (ip["mb"] / ip["sum_ms"]) if ip else None
+    return speed, link
 
 
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}\n")
-    print("| N | MB | backend | PUT ms | GET ms | GET GB/s |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        put = "-" if r["put_ms"] is None else f"{r['put_ms']:.1f}"
-        print(f"| {r['n']} | {r['mb']:.1f} | {r['backend']} | {put} | {r['get_ms']:.1f} | "
-              f"{r['mb'] / 1e3 / (r['get_ms'] / 1e3):.2f} |")
+    print("| layout | backend | N | MB | PUT ms | GET ms | PUT+GET ms | GB/s | Ray / this | of iperf3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted((r for r in rows if "put_ms" in r),
+                    key=lambda r: (r["layout"] != "training", r["layout"], r["backend"], r["n"])):
+        speed, link = ratio(rows, r)
+        print(f"| {r['layout']} | {r['backend']} | {r['n']} | {r['mb']:.1f} | {r['put_ms']:.1f} | "
+              f"{r['get_ms']:.1f} | {r['sum_ms']:.1f} | {r['mb'] / r['sum_ms']:.2f} | "
+              f"{'-' if speed is None else f'{speed:.2f}x'} | "
+              f"{'-' if link is None else f'{link:.0%}'} |")
+    for r in (r for r in rows if "gbps" in r):
+        print(f"| ceiling | {r['backend']} | {r['n']} | {r['mb']:.1f} | | | {r['sum_ms']:.1f} | "
+              f"{r['gbps']:.2f} | | |")
+    timed = [r for r in rows if r.get("put_calls_ms")]
+    if timed:
+        print("\nwhere the packed codec's time goes (ms, medians; other = the rest of the call)\n")
+        print("| layout | N | PUT | encode | batch_is_exist | batch_put_from | put_from (manifest) "
+              "| other | GET | batch_get_into | decode | other |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in timed:
+            p, g = r["put_calls_ms"], r["get_calls_ms"]
+            pk = ("encode", "batch_is_exist", "batch_put_from", "put_from")
+            gk = ("batch_get_into", "decode")
+            print(f"| {r['layout']} | {r['n']} | {r['put_ms']:.1f} | "
+                  + " | ".join(f"{p.get(k, 0.0):.1f}" for k in pk)
+                  + f" | {r['put_ms'] - sum(p.get(k, 0.0) for k in pk):.1f} | {r['get_ms']:.1f} | "
+                  + " | ".join(f"{g.get(k, 0.0):.1f}" for k in gk)
+                  + f" | {r['get_ms'] - sum(g.get(k, 0.0) for k in gk):.1f} |")
+
+
+def _iperf3_server(host: str, netns: str | None = None) -> subprocess.Popen:
+    """An iperf3 server on ``host`` (inside ``netns`` when given), up when this returns."""
+    pre = ["ip", "netns", "exec", netns] if netns else []
+    proc = subprocess.Popen([*pre, "iperf3", "-s", "-B", host, "-p", str(IPERF3_PORT)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and proc.poll() is None:
+        # ss, not a test connection: iperf3 would take a probe for a client
+        if "LISTEN" in subprocess.run([*pre, "ss", "-Hltn", f"sport = :{IPERF3_PORT}"],
+                                      capture_output=True, text=True).stdout:
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"iperf3 -s on {host}:{IPERF3_PORT} did not start "
+                       "(apt-get install -y iperf3; is the port taken?)")
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _alive_nodes() -> int:
+    import ray
+
+    return sum(1 for n in ray.nodes() if n["Alive"])
 
 
 def same_host(args) -> None:
@@ -212,16 +406,21 @@ def same_host(args) -> None:
     from transfer.data.mooncake_master import MooncakeMaster
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    load = os.getloadavg()
+    server = _iperf3_server("127.0.0.1") if args.iperf3 else None
+    args.iperf3_server = f"127.0.0.1:{IPERF3_PORT}" if server else None
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING"}})
     master = MooncakeMaster("127.0.0.1", log_path="/tmp/transfer_bench_master.log").start()
     try:
         rows = run_bench(args, {"num_cpus": 0}, {"num_cpus": 0},
-                         {"address": master.address, "metadata": master.metadata_server})
+                         {"address": master.address, "metadata": master.metadata_server},
+                         _alive_nodes())
     finally:
         master.stop()
         ray.shutdown()
-    finish(args, rows, "same host (one Ray node, loopback)")
+        _stop(server)
+    finish(args, rows, "same host (one Ray node, loopback)", load)
 
 
 def inner_two_hosts(args) -> None:
@@ -230,25 +429,30 @@ def inner_two_hosts(args) -> None:
 
     from transfer.data.mooncake_master import MooncakeMaster
 
+    load = os.getloadavg()
     ray.init(address=args.ray_address, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING"}})
     master = MooncakeMaster(args.host_a, log_path="/tmp/transfer_bench_master_2h.log").start()
     try:
         rows = run_bench(args, {"num_cpus": 0, "resources": {"hostA": 0.01}},
                          {"num_cpus": 0, "resources": {"hostB": 0.01}},
-                         {"address": master.address, "metadata": master.metadata_server})
+                         {"address": master.address, "metadata": master.metadata_server},
+                         _alive_nodes())
     finally:
         master.stop()
         ray.shutdown()
-    finish(args, rows, "two hosts (network namespaces joined by a veth pair)")
+    finish(args, rows, "two hosts (network namespaces joined by a veth pair)", load)
 
 
-def finish(args, rows: list[dict], title: str) -> None:
+def finish(args, rows: list[dict], title: str, load: tuple) -> None:
     print_table(rows, title)
     out = {"title": title, "command": os.environ.get("BENCH_COMMAND", " ".join(sys.argv)),
-           "machine": platform.platform(),
-           "cpus": os.cpu_count(), "runs": args.runs, "warmup": args.warmup, "rows": rows,
-           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+           "machine": platform.platform(), "cpus": os.cpu_count(),
+           "loadavg_start": load, "loadavg_end": os.getloadavg(),
+           "runs": args.runs, "warmup": args.warmup, "chunk_bytes": args.chunk_bytes,
+           "layouts": {"training": "consumer (learner) lends the segment, as train.py",
+                       "producer-lends": "producer lends the segment (earlier benchmark layout)"},
+           "rows": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
@@ -265,6 +469,7 @@ def two_hosts(args) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": REPO}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # makes `ray start --address` abort
     port = 6390
+    server = None
     try:
         net.create()
         for ns, ip, res, extra in ((net.a, net.ip_a, "hostA", ["--head", f"--port={port}",
@@ -277,14 +482,18 @@ def two_hosts(args) -> None:
                             f"--resources={json.dumps({res: 1})}", f"--temp-dir={tmp}",
                             "--disable-usage-stats"],
                            env={**env, "RAY_TMPDIR": tmp}, check=True, stdout=subprocess.DEVNULL)
+        if args.iperf3:
+            server = _iperf3_server(net.ip_b, netns=net.b)
         cmd = ["ip", "netns", "exec", net.a, sys.executable, os.path.abspath(__file__), "--inner",
                f"--ray-address={net.ip_a}:{port}", f"--host-a={net.ip_a}", f"--out={args.out}",
                f"--runs={args.runs}", f"--warmup={args.warmup}", f"--chunk-bytes={args.chunk_bytes}",
-               "--sizes", *map(str, args.sizes),
-               "--backends", *args.backends]
+               "--sizes", *map(str, args.sizes), "--backends", *args.backends,
+               "--layouts", *args.layouts, *([] if args.calls else ["--no-calls"]),
+               *([f"--iperf3-server={net.ip_b}:{IPERF3_PORT}"] if server else [])]
         subprocess.run(cmd, env={**env, "RAY_TMPDIR": f"/tmp/ray_{net.a}",
                                  "BENCH_COMMAND": " ".join(["python", *sys.argv])}, check=True)
     finally:
+        _stop(server)
         net.remove()
 
 
@@ -293,18 +502,27 @@ def main() -> None:
     p.add_argument("--two-hosts", action="store_true", help="two network namespaces (root)")
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 512, 2048])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
+                   help="who lends the Mooncake segment (training: the consumer, as train.py)")
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
     p.add_argument("--chunk-bytes", type=int, default=4 << 20,
                    help="Mooncake chunk size (transfer.chunk_bytes)")
+    p.add_argument("--no-iperf3", dest="iperf3", action="store_false",
+                   help="skip the iperf3 ceiling (apt-get install -y iperf3)")
+    p.add_argument("--no-calls", dest="calls", action="store_false",
+                   help="do not time each Mooncake client call")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ray-address", help=argparse.SUPPRESS)
     p.add_argument("--host-a", help=argparse.SUPPRESS)
+    p.add_argument("--iperf3-server", help=argparse.SUPPRESS)
     args = p.parse_args()
-    args.tcp = args.two_hosts or args.inner
-    args.out = args.out or os.path.join(REPO, "benchmarks", "results",
-                                        "transfer_two_hosts.json" if args.tcp else "transfer_same_host.json")
+    if args.iperf3 and not args.inner and not shutil.which("iperf3"):
+        sys.exit("iperf3 is not installed: apt-get install -y iperf3 (or pass --no-iperf3)")
+    args.out = args.out or os.path.join(
+        REPO, "benchmarks", "results",
+        "transfer_two_hosts.json" if args.two_hosts or args.inner else "transfer_same_host.json")
     if args.inner:
         inner_two_hosts(args)
     elif args.two_hosts:
