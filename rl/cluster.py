@@ -75,7 +75,9 @@ class Cluster:
         _wait_ready(self._pgs, timeout_s=60)
         self.store = cfg.transfer.build(self.runtime)
         self._start_engines(engine_pg, env)
-        self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls)
+        # the manager on the rollout side (it writes each batch to the store from there), in
+        # the first engine's bundle: Ray would otherwise place it on any node
+        self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls, _in_bundle(engine_pg, 0))
         self.learners = LearnerGroup(cfg, self.runtime, learner_pg)
         plan = cfg.weights.describe_plan(c.num_learners, self.engine_clients())
         print(f"[weights] {cfg.weights.name} plan: {plan}", flush=True)
@@ -181,14 +183,14 @@ class Cluster:
 class RolloutHandle:
     """The rollout manager actor, called like the plain class."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, engine_urls: list[str]) -> None:
+    def __init__(self, cfg: Config, runtime: Runtime, engine_urls: list[str], placement=None) -> None:
         import ray
 
         from rl.rollout.manager import RolloutManager
 
         # threaded: a pause, a stop or Ctrl-C's cleanup is served while next_batch waits
-        self.actor = ray.remote(RolloutManager).options(num_cpus=0, max_concurrency=4).remote(
-            cfg, runtime, engine_urls)
+        self.actor = ray.remote(RolloutManager).options(
+            num_cpus=0, max_concurrency=4, scheduling_strategy=placement).remote(cfg, runtime, engine_urls)
         self._ray = ray
         self.timeout_s = cfg.rollout.request_timeout_s + 60
 

@@ -49,9 +49,10 @@ def check_nodes(c: ClusterConfig, nodes: list[dict[str, Any]]) -> None:
 
 
 def describe_nodes(nodes: list[dict[str, Any]]) -> str:
-    """``10.0.0.1 [rollout_node], 10.0.0.2 [train_node]``: each node with its custom resources."""
+    """``10.0.0.1 ['rollout_node'], 10.0.0.2 ['train_node']``: each node with its custom
+    resources (not the ``*_group_*`` ones placement groups add)."""
     def custom(n: dict[str, Any]) -> list[str]:
         return sorted(k for k in n["Resources"] if k not in ("CPU", "GPU", "memory", "object_store_memory")
-                      and not k.startswith(("node:", "accelerator_type:")))
+                      and not k.startswith(("node:", "accelerator_type:")) and "_group_" not in k)
 
     return ", ".join(f"{n['NodeManagerAddress']} {custom(n)}" for n in nodes) or "no nodes"
