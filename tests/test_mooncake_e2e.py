@@ -63,8 +63,9 @@ def test_killed_master_stops_the_run_with_an_error_naming_the_store(tmp_path):
         rest, _ = proc.communicate(timeout=120)
         elapsed = time.monotonic() - t0
     assert proc.returncode != 0
-    assert "Mooncake store" in rest, rest[-3000:]
-    assert elapsed < 90
+    # the driver's watchdog names the master (a client's RPC alone gave up after 26.5 s)
+    assert "the run stopped: the Mooncake store's master at 127.0.0.1:" in rest, rest[-3000:]
+    assert elapsed < 30
     assert_nothing_left(engine_ports(out))
 
 
