@@ -1,4 +1,5 @@
-"""train_async.py as a user runs it, over every transfer x weights combination.
+"""train_async.py as a user runs it, over each registered data path and each weight path
+(the pairs tests/test_weights.py does not run).
 
 One-step off-policy and fully async: generation of batch N+1 overlaps training of N, no
 trained sample is staler than allowed, every generated sample is trained exactly once or
@@ -21,10 +22,11 @@ import pytest
 
 from rl.config.transfer import BACKENDS, MooncakeTransferConfig
 from tests.conftest import REPO, compose, pids_with, read_until, running
+from tests.helpers import combination_halves
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics
 from transfer.data.mooncake_master import MooncakeMaster
 
-COMBOS = [(label, weights) for label in BACKENDS for weights in ("broadcast", "p2p")]
+COMBOS = combination_halves(BACKENDS)[1]  # tests/test_weights.py runs the other half
 ASYNC_METRICS = ["perf/wait_time_ratio", "async/staleness_mean", "async/staleness_max",
                  "async/dropped_samples", "async/queue_depth", "train/samples"]
 
