@@ -19,7 +19,7 @@ export MOONCAKE_LOCAL_HOSTNAME=${MOONCAKE_LOCAL_HOSTNAME:-$ip}
 # on a node with several interfaces that may be one the other node cannot reach (measured in
 # the rehearsal: the first weight sync hung). Pin them to the interface holding $ip.
 ifname=$(ip -o -4 addr show | awk -v ip="$ip" '{split($4, a, "/"); if (a[1] == ip) print $2}' | head -n1)
-: "${ifname:?no interface holds $ip on this node: pass this node's own address}"
+: "${ifname:?no interface holds $ip on this node: pass the address of this node}"
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ifname} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ifname}
 ray start --address="$head:6379" --node-ip-address="$ip" --resources='{"train_node": 1}' \
     --disable-usage-stats
