@@ -21,10 +21,10 @@ Ray has no segment: its object stays on the producer's node and GET pulls it.
     sudo python benchmarks/transfer_bench.py --two-hosts      # two network namespaces + veth
 
 ``--two-hosts`` creates two Linux network namespaces joined by a veth pair, starts a Ray head
-in A and a Ray worker in B, runs the master and the producer on host A and the consumer on
-host B, and removes everything at the end. Backends run interleaved, run by run (the order
-rotates every run), so noise hits them alike; in the same rounds the link's ceiling is
-measured twice: ``iperf3`` (1 s, one stream, A -> B) and a Python socket moving the payload's
+in A and a Ray worker in B, runs the masters (one per Mooncake case) and the producer on host A and
+the consumer on host B, and removes everything at the end. Backends run interleaved, run by
+run (the order rotates every run), so noise hits them alike; in the same rounds the link's
+ceiling is measured twice: ``iperf3`` (1 s, one stream, A -> B) and a Python socket moving the payload's
 byte count. For the packed codec, each Mooncake client call is timed (``--no-calls`` to skip)
 to show where PUT and GET spend their time. Results: a table on stdout and JSON under
 benchmarks/results/.
@@ -53,6 +53,9 @@ from rl.config.transfer import BACKENDS  # noqa: E402  (every registered data pa
 LAYOUTS = ("training", "producer-lends")
 """Who lends the Mooncake segment: the consumer (as in train.py) or the producer."""
 IPERF3_PORT = 5201
+PUT_PARTS = ("encode", "batch_is_exist", "batch_put_from", "put_from")
+GET_PARTS = ("batch_get_into", "decode")
+"""The packed codec's Mooncake calls (and its own encode/decode) timed around each PUT/GET."""
 
 
 def make_payload(n: int, seed: int = 0) -> dict:
@@ -91,6 +94,22 @@ def transfer_config(label: str, chunk_bytes: int, segment: int, master: dict | N
         fields |= {"master_server_address": master["address"], "metadata_server": master["metadata"]}
     extra = [f"transfer.{k}={v}" for k, v in fields.items() if hasattr(transfer, k)]
     return compose(*BACKENDS[label], *extra).transfer if extra else transfer
+
+
+def _net_bytes() -> dict[str, int]:
+    """Bytes received and sent per interface of this process's network namespace."""
+    out = {}
+    with open("/proc/self/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, data = line.split(":", 1)
+            out[f"rx_mb_{name.strip()}"] = int(data.split()[0])
+            out[f"tx_mb_{name.strip()}"] = int(data.split()[8])
+    return out
+
+
+def _net_delta(before: dict[str, int]) -> dict[str, float]:
+    """MB received and sent per interface since ``before`` (``lo``: stayed on this host)."""
+    return {k: (v - before.get(k, 0)) / 1e6 for k, v in _net_bytes().items()}
 
 
 class _TimedClient:
@@ -151,12 +170,15 @@ class Producer(_Side):
 
     def put(self, n: int, key: str):
         self.calls()
+        net = _net_bytes()
         t0 = time.perf_counter()
         ref = self.store.put(self.payloads[n], key=key)
         ms = (time.perf_counter() - t0) * 1e3
         calls = self.calls()
         if calls:  # encode_ms also covers the existence check: report it once
             calls["encode"] = ref.timings_ms["encode_ms"] - calls.get("batch_is_exist", 0.0)
+            calls["other"] = ms - sum(calls[k] for k in PUT_PARTS if k in calls)
+            calls |= _net_delta(net)
         return ref, ms, self.sums[n], calls
 
     def remove(self, ref) -> None:
@@ -187,12 +209,15 @@ class Producer(_Side):
 class Consumer(_Side):
     def get(self, ref, want: int) -> tuple[float, dict]:
         self.calls()
+        net = _net_bytes()
         t0 = time.perf_counter()
         cols = self.store.get(ref)
         ms = (time.perf_counter() - t0) * 1e3
         calls = self.calls()
         if calls:
             calls["decode"] = self.store.get_timings_ms.get("decode_ms", 0.0)
+            calls["other"] = ms - sum(calls[k] for k in GET_PARTS if k in calls)
+            calls |= _net_delta(net)
         if checksum(cols) != want:
             raise RuntimeError(f"{ref.key}: payload differs after the round trip")
         return ms, calls
@@ -225,9 +250,13 @@ def _median_calls(all_calls: list[dict]) -> dict[str, float]:
     return {k: statistics.median(c.get(k, 0.0) for c in all_calls) for k in names}
 
 
-def run_bench(args, place_a: dict, place_b: dict, master: dict, num_nodes: int) -> list[dict]:
+def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
+              num_nodes: int) -> list[dict]:
     """Every case, interleaved: for each N and run, each case once, in an order that rotates
-    from run to run; the ceilings (iperf3, Python socket) take their turn in the same rounds."""
+    from run to run; the ceilings (iperf3, Python socket) take their turn in the same rounds.
+    ``masters``: one per Mooncake case, ``backend/layout`` (a master places objects on any
+    segment mounted with it: cases sharing one wrote into each other's segments, measured as
+    loopback traffic in a GET that should have stayed in its process)."""
     import ray
 
     from rl.runtime import Runtime
@@ -240,7 +269,7 @@ def run_bench(args, place_a: dict, place_b: dict, master: dict, num_nodes: int) 
     actors, ceilings = {}, ["python-socket"] + (["iperf3"] if args.iperf3_server else [])
     try:
         for backend, layout in cases:
-            transfer = transfer_config(backend, args.chunk_bytes, segment, master)
+            transfer = transfer_config(backend, args.chunk_bytes, segment, masters.get(f"{backend}/{layout}"))
             # the driver's side of train.py: check the environment, resolve the master
             services, stop = transfer.start_services(
                 Runtime("bench", "/tmp/transfer_bench", "/unused"), num_nodes=num_nodes,
@@ -300,7 +329,8 @@ def run_bench(args, place_a: dict, place_b: dict, master: dict, num_nodes: int) 
                              "sum_ms": statistics.median(s["sum"]),
                              "put_all": s["put"][:], "get_all": s["get"][:],
                              "put_calls_ms": _median_calls(s["put_calls"]),
-                             "get_calls_ms": _median_calls(s["get_calls"])})
+                             "get_calls_ms": _median_calls(s["get_calls"]),
+                             "put_calls_all": s["put_calls"][:], "get_calls_all": s["get_calls"][:]})
                 r = rows[-1]
                 print(f"  {backend:16s} {layout:15s} N={n:5d} {mb:6.1f} MB  PUT {r['put_ms']:7.1f}"
                       f"  GET {r['get_ms']:7.1f}  PUT+GET {r['sum_ms']:7.1f} ms", flush=True)
@@ -352,19 +382,24 @@ def print_table(rows: list[dict], title: str) -> None:
               f"{r['gbps']:.2f} | | |")
     timed = [r for r in rows if r.get("put_calls_ms")]
     if timed:
-        print("\nwhere the packed codec's time goes (ms, medians; other = the rest of the call)\n")
-        print("| layout | N | PUT | encode | batch_is_exist | batch_put_from | put_from (manifest) "
-              "| other | GET | batch_get_into | decode | other |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\nwhere the packed codec's time goes (ms, medians of each part; other = the rest "
+              "of the call; MB sent/received per interface of the caller's host during the call)\n")
+        print("| layout | N | PUT | " + " | ".join(PUT_PARTS) + " | other | MB tx/rx (PUT) | GET | "
+              + " | ".join(GET_PARTS) + " | other | MB tx/rx (GET) |")
+        print("|---" * (8 + len(PUT_PARTS) + len(GET_PARTS)) + "|")
         for r in timed:
             p, g = r["put_calls_ms"], r["get_calls_ms"]
-            pk = ("encode", "batch_is_exist", "batch_put_from", "put_from")
-            gk = ("batch_get_into", "decode")
+
+            def sent(c):
+                ifs = sorted({k[6:] for k in c if k[:6] in ("rx_mb_", "tx_mb_")})
+                return ", ".join(f"{i} {c.get('tx_mb_' + i, 0):.1f}/{c.get('rx_mb_' + i, 0):.1f}"
+                                 for i in ifs if max(c.get("tx_mb_" + i, 0),
+                                                     c.get("rx_mb_" + i, 0)) >= 0.05) or "-"
             print(f"| {r['layout']} | {r['n']} | {r['put_ms']:.1f} | "
-                  + " | ".join(f"{p.get(k, 0.0):.1f}" for k in pk)
-                  + f" | {r['put_ms'] - sum(p.get(k, 0.0) for k in pk):.1f} | {r['get_ms']:.1f} | "
-                  + " | ".join(f"{g.get(k, 0.0):.1f}" for k in gk)
-                  + f" | {r['get_ms'] - sum(g.get(k, 0.0) for k in gk):.1f} |")
+                  + " | ".join(f"{p.get(k, 0.0):.1f}" for k in (*PUT_PARTS, "other"))
+                  + f" | {sent(p)} | {r['get_ms']:.1f} | "
+                  + " | ".join(f"{g.get(k, 0.0):.1f}" for k in (*GET_PARTS, "other"))
+                  + f" | {sent(g)} |")
 
 
 def _iperf3_server(host: str, netns: str | None = None) -> subprocess.Popen:
@@ -400,10 +435,31 @@ def _alive_nodes() -> int:
     return sum(1 for n in ray.nodes() if n["Alive"])
 
 
+def start_masters(host: str, args, log: str) -> dict:
+    """One Mooncake master per Mooncake case on ``host`` (free ports), keyed ``backend/layout``."""
+    from transfer.data.mooncake_master import MooncakeMaster
+
+    masters = {}
+    try:
+        for case in (f"{b}/{lay}" for b in args.backends if b != "ray" for lay in args.layouts):
+            masters[case] = MooncakeMaster(host, log_path=f"{log}_{case.replace('/', '_')}.log").start()
+    except BaseException:
+        stop_masters(masters)
+        raise
+    return masters
+
+
+def stop_masters(masters: dict) -> None:
+    for m in masters.values():
+        m.stop()
+
+
+def _addresses(masters: dict) -> dict[str, dict]:
+    return {c: {"address": m.address, "metadata": m.metadata_server} for c, m in masters.items()}
+
+
 def same_host(args) -> None:
     import ray
-
-    from transfer.data.mooncake_master import MooncakeMaster
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     load = os.getloadavg()
@@ -411,13 +467,12 @@ def same_host(args) -> None:
     args.iperf3_server = f"127.0.0.1:{IPERF3_PORT}" if server else None
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING"}})
-    master = MooncakeMaster("127.0.0.1", log_path="/tmp/transfer_bench_master.log").start()
+    masters = start_masters("127.0.0.1", args, "/tmp/transfer_bench_master")
     try:
-        rows = run_bench(args, {"num_cpus": 0}, {"num_cpus": 0},
-                         {"address": master.address, "metadata": master.metadata_server},
+        rows = run_bench(args, {"num_cpus": 0}, {"num_cpus": 0}, _addresses(masters),
                          _alive_nodes())
     finally:
-        master.stop()
+        stop_masters(masters)
         ray.shutdown()
         _stop(server)
     finish(args, rows, "same host (one Ray node, loopback)", load)
@@ -427,19 +482,16 @@ def inner_two_hosts(args) -> None:
     """Runs inside namespace A as the Ray driver (started by ``two_hosts``)."""
     import ray
 
-    from transfer.data.mooncake_master import MooncakeMaster
-
     load = os.getloadavg()
     ray.init(address=args.ray_address, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING"}})
-    master = MooncakeMaster(args.host_a, log_path="/tmp/transfer_bench_master_2h.log").start()
+    masters = start_masters(args.host_a, args, "/tmp/transfer_bench_master_2h")
     try:
         rows = run_bench(args, {"num_cpus": 0, "resources": {"hostA": 0.01}},
-                         {"num_cpus": 0, "resources": {"hostB": 0.01}},
-                         {"address": master.address, "metadata": master.metadata_server},
+                         {"num_cpus": 0, "resources": {"hostB": 0.01}}, _addresses(masters),
                          _alive_nodes())
     finally:
-        master.stop()
+        stop_masters(masters)
         ray.shutdown()
     finish(args, rows, "two hosts (network namespaces joined by a veth pair)", load)
 
