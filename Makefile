@@ -12,7 +12,7 @@ TORCH_VERSION := $(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' $(LOCK))
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' rl/rollout/sglang_version.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: venv train test test-fast lint lock bench-transfer clean
+.PHONY: venv train test test-fast rehearse lint lock bench-transfer clean
 
 $(STAMP): pyproject.toml rl/rollout/sglang_version.py $(LOCK)
 	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } || true
@@ -48,13 +48,17 @@ train: $(STAMP)
 		$(BIN)/python train.py $(ARGS)
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -q --durations=15 -m "not two_node" $(ARGS)
+
+# The two-node quickstart rehearsed in two network namespaces (root; docs/quickstart-two-node.md).
+rehearse: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=5 -m two_node tests/test_two_node.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not two_node" $(ARGS)
 
 bench-transfer: $(STAMP)
 	$(BIN)/python benchmarks/transfer_bench.py $(ARGS)
