@@ -9,20 +9,8 @@ ip=${1:?usage: start_head.sh <this node IP>}
 cd "$(dirname "$0")/.."
 state=${RL_NODE_DIR:-/tmp/rl-node-$ip}
 mkdir -p "$state"
-export MOONCAKE_PROTOCOL=${MOONCAKE_PROTOCOL:-tcp}
-if [ "$MOONCAKE_PROTOCOL" = rdma ]; then
-    : "${MOONCAKE_DEVICE:?MOONCAKE_PROTOCOL=rdma: export MOONCAKE_DEVICE (e.g. mlx5_0) before Ray starts}"
-fi
-# Exported before `ray start`, so every Ray worker on this node inherits them. The hostname
-# each Mooncake client announces is this node's address, never a loopback one.
-export MOONCAKE_MASTER="$ip:50051" MOONCAKE_METADATA_SERVER="http://$ip:8080/metadata"
-export MOONCAKE_LOCAL_HOSTNAME=${MOONCAKE_LOCAL_HOSTNAME:-$ip}
-# gloo (CPU weight sync) and NCCL bind to the interface of the machine's hostname unless told;
-# on a node with several interfaces that may be one the other node cannot reach (measured in
-# the rehearsal: the first weight sync hung). Pin them to the interface holding $ip.
-ifname=$(ip -o -4 addr show | awk -v ip="$ip" '{split($4, a, "/"); if (a[1] == ip) print $2}' | head -n1)
-: "${ifname:?no interface holds $ip on this node: pass the address of this node}"
-export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ifname} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ifname}
+source scripts/node_env.sh
+node_env "$ip" "$ip"  # this node hosts the master
 # The master first: the first job's clients connect to it as soon as they start.
 nohup python -m transfer.data.mooncake_master --host "$ip" --log "$state/mooncake_master.log" \
     > "$state/mooncake_master.out" 2>&1 &
