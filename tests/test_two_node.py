@@ -2,8 +2,9 @@
 pair are node A (rollout: Ray head, Mooncake master, engines) and node B (training: learner
 ranks). The commands come verbatim from docs/quickstart-two-node.md; the checks read the
 processes, the link and the master, not the code: engines in A, learners in B, the rollout
-data and the weights crossed the veth, nothing left behind, and two faults (the master
-killed, node B's Ray stopped) each end the run with an error naming what died.
+data and the weights crossed the veth, nothing left behind, the reward rises over a longer
+run, and two faults (the master killed, node B's Ray stopped) each end the run with an error
+naming what died.
 
 Root and iproute2 only; marked ``two_node`` (``pytest -m two_node tests/test_two_node.py``).
 """
@@ -227,6 +228,20 @@ def test_quickstart_runs_across_the_two_nodes(two_nodes, tmp_path, script, trans
     while time.monotonic() < deadline and left_over():
         time.sleep(0.5)
     assert left_over() == {}
+
+
+def test_reward_rises_across_the_two_nodes(two_nodes, tmp_path):
+    """The default job's batch and task on the two nodes, long enough for the reward to rise
+    (the default job passes 0.1 near step 70 on one node, docs/reward_curve_metrics.jsonl)."""
+    job = Job("train.py", "cluster=two_node", "transfer=mooncake_tcp", "weights=p2p", "num_steps=90",
+              "logger=console", "checkpoint.every=0", out_dir=str(tmp_path))
+    rc = job.finish(timeout_s=400)
+    assert rc == 0, job.text[-4000:]
+    rewards = [m["rollout/reward_mean"] for m in job.metrics()]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    print(f"two nodes, 90 steps: reward {first:.3f} over the first 5 steps, {last:.3f} over the last 10")
+    assert len(rewards) == 90 and first < 0.02 and last > 0.1 and last > 10 * first
+    assert master_keys() == []
 
 
 def test_loopback_mooncake_hostname_is_refused_before_workers_start(two_nodes, tmp_path):
