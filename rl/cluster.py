@@ -158,7 +158,11 @@ class Cluster:
     def __exit__(self, exc_type, exc, tb) -> None:
         failure = None
         if self.watchdog is not None:
-            self.watchdog.stop()
+            try:
+                self.watchdog.stop()
+            except KeyboardInterrupt:  # its own interrupt, landing here: the failure is recorded
+                if not self.watchdog.fired:
+                    raise
             # an actor error can arrive before the next probe: look once more
             failure = self.watchdog.check_now() if exc_type is not None else self.watchdog.failure
         self.shutdown(timeout_s=10 if failure else 60)  # graceful closes may wait on the dead

@@ -28,7 +28,10 @@ class Watchdog:
         self.misses = misses  # consecutive timeouts that count as dead (a refusal counts at once)
         self.probes: list[tuple[str, Probe]] = []
         self.failure: Optional[str] = None
+        self.fired = False
+        """Whether the main thread was interrupted (its KeyboardInterrupt is this watchdog's)."""
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # no interrupt once stop() has begun
         self._thread: Optional[threading.Thread] = None
 
     def watch(self, name: str, probe: Probe) -> None:
@@ -46,8 +49,12 @@ class Watchdog:
                 state["timeouts"] += 1
                 return f"no answer on {host}:{port} for {self.misses} probes" \
                     if state["timeouts"] >= self.misses else None
-            except OSError as e:  # refused / unreachable: nothing listens there any more
+            except ConnectionRefusedError as e:  # nothing listens there any more
                 return f"{host}:{port} refuses connections ({e.strerror or e})"
+            except OSError as e:  # unreachable, out of sockets...: a miss, not yet a death
+                state["timeouts"] += 1
+                return f"{host}:{port} unreachable for {self.misses} probes ({e.strerror or e})" \
+                    if state["timeouts"] >= self.misses else None
 
         self.watch(name, probe)
 
@@ -66,25 +73,34 @@ class Watchdog:
         return self.failure
 
     def start(self) -> "Watchdog":
-        # a driver started in the background (nohup, a job runner) may inherit SIGINT ignored;
-        # the interrupt below must reach the main thread as KeyboardInterrupt
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A driver started in the background (nohup, a job runner) may inherit SIGINT ignored,
+        # and one started by `ray job submit` inherits it blocked (Ray starts its processes
+        # with SIGINT masked): the interrupt below must reach the main thread as
+        # KeyboardInterrupt, so handle and unblock it there.
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        """After this returns no interrupt comes (one already sent has ``fired`` set)."""
+        with self._lock:
+            self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join()  # a probe round is bounded: a 2 s connect per port
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             if self.check_now() is not None:
-                print(f"[watchdog] {self.failure}; stopping the run", flush=True)
-                os.kill(os.getpid(), signal.SIGINT)  # the main thread unwinds as on Ctrl-C
+                with self._lock:
+                    if self._stop.is_set():
+                        return  # the run is already shutting down: let it finish
+                    self.fired = True
+                    print(f"[watchdog] {self.failure}; stopping the run", flush=True)
+                    os.kill(os.getpid(), signal.SIGINT)  # the main thread unwinds as on Ctrl-C
                 return
 
 

@@ -3,6 +3,7 @@ driver's watchdog names a dependency that died; MOONCAKE_PROTOCOL is honoured.""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -93,3 +94,38 @@ def test_watchdog_names_a_port_that_stopped_listening():
     assert dog.check_now() is None
     srv.close()
     assert dog.check_now().startswith(f"engine-0 (http://127.0.0.1:{port}) died: 127.0.0.1:{port} refuses")
+
+
+_BLOCKED_DRIVER = """
+import signal, socket, sys, threading, time
+sys.path.insert(0, {repo!r})
+from rl.watchdog import Watchdog
+
+srv = socket.create_server(("127.0.0.1", 0))
+port = srv.getsockname()[1]
+dog = Watchdog(period_s=0.2)
+dog.watch_port("the master", "127.0.0.1", port)
+dog.start()
+srv.close()  # the watched process dies
+t0 = time.monotonic()
+try:
+    threading.Event().wait(30)  # a driver blocked in a call, as in ray.get
+    print("not interrupted", flush=True)
+except KeyboardInterrupt:
+    dog.stop()
+    print(f"interrupted after {{time.monotonic() - t0:.1f}}s: {{dog.failure}}", flush=True)
+"""
+
+
+def test_watchdog_interrupts_a_driver_started_with_sigint_blocked(tmp_path):
+    """`ray job submit` starts the driver with SIGINT blocked, as Ray does every process it
+    starts: the watchdog's interrupt must still reach the main thread."""
+    from tests.conftest import REPO
+
+    script = tmp_path / "driver.py"
+    script.write_text(_BLOCKED_DRIVER.format(repo=REPO))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}))
+    assert "interrupted after" in out.stdout and "the master died" in out.stdout, out.stdout + out.stderr
+    assert time.monotonic() - t0 < 10
