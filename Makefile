@@ -52,7 +52,7 @@ test: $(STAMP) lint
 
 # The two-node quickstart rehearsed in two network namespaces (root; docs/quickstart-two-node.md).
 rehearse: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=5 -m two_node tests/test_two_node.py $(ARGS)
+	REHEARSE_REQUIRED=1 $(BIN)/python -m pytest -q --durations=5 -m two_node tests/test_two_node.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
