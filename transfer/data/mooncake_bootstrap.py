@@ -68,6 +68,10 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
                       device_name=device_name)
     check_capacity(global_segment_size=global_segment_size, bytes_per_step=bytes_per_step,
                    batches_held=batches_held, replica_num=replica_num)
+    # transfer=mooncake_tcp follows MOONCAKE_PROTOCOL: say what this run actually uses
+    device = resolve_device(device_name)
+    print(f"[mooncake] protocol {resolve_protocol(protocol)}" + (f", device {device}" if device else ""),
+          flush=True)
     master = master_server_address or os.environ.get("MOONCAKE_MASTER")
     if master:
         metadata = (metadata_server or os.environ.get("MOONCAKE_METADATA_SERVER")
