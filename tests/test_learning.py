@@ -14,8 +14,10 @@ from tests.test_e2e import read_metrics, train
 def test_four_steps_per_rollout_clip_and_still_learn(tmp_path):
     """The default job with algo.steps_per_rollout=4 (docs/algo.md)."""
     t0 = time.monotonic()
-    train("logger=console", "algo.steps_per_rollout=4", "num_steps=120", f"output_dir={tmp_path}",
-          timeout=900)  # measured: reward first above 0.9 at step 63 (docs/algo.md)
+    # measured (docs/runs/default_steps4_metrics.jsonl): reward first above 0.9 at step 63,
+    # 0.969 over steps 70-79
+    train("logger=console", "algo.steps_per_rollout=4", "num_steps=80", f"output_dir={tmp_path}",
+          timeout=900)
     rows = read_metrics(tmp_path)
     rewards = [r["rollout/reward_mean"] for r in rows]
     clipfrac = np.array([r["train/clipfrac"] for r in rows])
