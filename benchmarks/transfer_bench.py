@@ -37,202 +37,21 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
-import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.transfer_sides import (  # noqa: E402
+    GET_PARTS, PUT_PARTS, Consumer, Producer, make_payload, transfer_config)
 from rl.config.transfer import BACKENDS  # noqa: E402  (every registered data path)
 
 LAYOUTS = ("training", "producer-lends")
 """Who lends the Mooncake segment: the consumer (as in train.py) or the producer."""
 IPERF3_PORT = 5201
-PUT_PARTS = ("encode", "batch_is_exist", "batch_put_from", "put_from")
-GET_PARTS = ("batch_get_into", "decode")
-"""The packed codec's Mooncake calls (and its own encode/decode) timed around each PUT/GET."""
-
-
-def make_payload(n: int, seed: int = 0) -> dict:
-    """N GRPO samples of 64..4096 tokens (prompt 10-30 %), as the rollout manager stores them."""
-    from rl.types import RolloutBatch
-
-    rng = np.random.default_rng(seed)
-    total = rng.integers(64, 4097, n)
-    plen = np.maximum(1, (total * rng.uniform(0.1, 0.3, n)).astype(np.int32))
-    rlen = (total - plen).astype(np.int32)
-    batch = RolloutBatch(
-        tokens=[rng.integers(0, 151_000, t, dtype=np.int32) for t in total],
-        loss_mask=[np.ones(r, dtype=np.int8) for r in rlen],
-        rollout_logprobs=[rng.normal(-1, 0.5, r).astype(np.float32) for r in rlen],
-        prompt_len=plen, response_len=rlen, rewards=rng.random(n).astype(np.float32),
-        advantages=rng.normal(0, 1, n).astype(np.float32), group_id=np.arange(n) // 8,
-        sample_id=np.arange(n, dtype=np.int64), weight_version=np.zeros(n, dtype=np.int64),
-        finish_reason=[["stop", "length"][i % 2] for i in range(n)],
-        label=[f"label-{i}" for i in range(n)])
-    return batch.to_columns()
-
-
-def checksum(cols: dict) -> int:
-    return int(sum(int(t.sum()) for t in cols["tokens"]) + len(cols["label"]))
-
-
-def transfer_config(label: str, chunk_bytes: int, segment: int, master: dict | None = None):
-    """The ``transfer`` config of a registered backend, composed as train.py composes it, with
-    the benchmark's chunk and segment sizes and the master's address where the backend has
-    such fields (the two-node quickstart sets the address through MOONCAKE_MASTER)."""
-    from rl.config import compose
-
-    transfer = compose(*BACKENDS[label]).transfer
-    fields = {"chunk_bytes": chunk_bytes, "global_segment_size": max(segment, 16 << 20)}
-    if master:
-        fields |= {"master_server_address": master["address"], "metadata_server": master["metadata"]}
-    extra = [f"transfer.{k}={v}" for k, v in fields.items() if hasattr(transfer, k)]
-    return compose(*BACKENDS[label], *extra).transfer if extra else transfer
-
-
-def _net_bytes() -> dict[str, int]:
-    """Bytes received and sent per interface of this process's network namespace."""
-    out = {}
-    with open("/proc/self/net/dev") as f:
-        for line in f.readlines()[2:]:
-            name, data = line.split(":", 1)
-            out[f"rx_mb_{name.strip()}"] = int(data.split()[0])
-            out[f"tx_mb_{name.strip()}"] = int(data.split()[8])
-    return out
-
-
-def _net_delta(before: dict[str, int]) -> dict[str, float]:
-    """MB received and sent per interface since ``before`` (``lo``: stayed on this host)."""
-    return {k: (v - before.get(k, 0)) / 1e6 for k, v in _net_bytes().items()}
-
-
-class _TimedClient:
-    """Wraps a Mooncake client: records the wall time of every call (name, ms)."""
-
-    def __init__(self, inner) -> None:
-        self._inner, self.calls = inner, []
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return attr(*a, **kw)
-            finally:
-                self.calls.append((name, (time.perf_counter() - t0) * 1e3))
-        return timed
-
-    def take(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, ms in self.calls:
-            out[name] = out.get(name, 0.0) + ms
-        self.calls.clear()
-        return out
-
-
-class _Side:
-    """One end of a case: a store client built by the config's own ``build``, as a train.py
-    process builds it (``lend``: contribute_segment, learner local rank 0 only)."""
-
-    def __init__(self, transfer, runtime, lend: bool, timed: bool) -> None:
-        from transfer.data.mooncake_store import MooncakeStore
-
-        self.store = transfer.build(runtime, contribute_segment=lend)
-        self.timed = None
-        if timed and isinstance(self.store, MooncakeStore):  # the packed codec
-            self.timed = self.store.client = _TimedClient(self.store.client)
-
-    def calls(self) -> dict[str, float]:
-        return self.timed.take() if self.timed else {}
-
-    def ready(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.store.close()
-
-
-class Producer(_Side):
-    def __init__(self, transfer, runtime, lend: bool, timed: bool, sizes: list[int]):
-        super().__init__(transfer, runtime, lend, timed)
-        self.payloads = {n: make_payload(n) for n in sizes}
-        self.sums = {n: checksum(p) for n, p in self.payloads.items()}
-        self.blobs: dict[int, bytes] = {}
-
-    def put(self, n: int, key: str):
-        self.calls()
-        net = _net_bytes()
-        t0 = time.perf_counter()
-        ref = self.store.put(self.payloads[n], key=key)
-        ms = (time.perf_counter() - t0) * 1e3
-        calls = self.calls()
-        if calls:  # encode_ms also covers the existence check: report it once
-            calls["encode"] = ref.timings_ms["encode_ms"] - calls.get("batch_is_exist", 0.0)
-            calls["other"] = ms - sum(calls[k] for k in PUT_PARTS if k in calls)
-            calls |= _net_delta(net)
-        return ref, ms, self.sums[n], calls
-
-    def remove(self, ref) -> None:
-        self.store.remove([ref])
-
-    def serve_tcp(self, nbytes: int) -> tuple[str, int]:
-        """A one-shot TCP server that sends ``nbytes`` to one connection."""
-        import ray
-
-        if nbytes not in self.blobs:
-            self.blobs[nbytes] = np.random.default_rng(1).integers(0, 255, nbytes, np.uint8).tobytes()
-        data = self.blobs[nbytes]
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((ray.util.get_node_ip_address(), 0))
-        srv.listen(1)
-
-        def run():
-            conn, _ = srv.accept()
-            with conn:
-                conn.sendall(data)
-            srv.close()
-
-        threading.Thread(target=run, daemon=True).start()
-        return srv.getsockname()
-
-
-class Consumer(_Side):
-    def get(self, ref, want: int) -> tuple[float, dict]:
-        self.calls()
-        net = _net_bytes()
-        t0 = time.perf_counter()
-        cols = self.store.get(ref)
-        ms = (time.perf_counter() - t0) * 1e3
-        calls = self.calls()
-        if calls:
-            calls["decode"] = self.store.get_timings_ms.get("decode_ms", 0.0)
-            calls["other"] = ms - sum(calls[k] for k in GET_PARTS if k in calls)
-            calls |= _net_delta(net)
-        if checksum(cols) != want:
-            raise RuntimeError(f"{ref.key}: payload differs after the round trip")
-        return ms, calls
-
-    def fetch_tcp(self, host: str, port: int, nbytes: int) -> float:
-        view = memoryview(bytearray(nbytes))
-        t0 = time.perf_counter()
-        with socket.create_connection((host, port)) as s:
-            got = 0
-            while got < nbytes:
-                k = s.recv_into(view[got:], nbytes - got)
-                if not k:
-                    raise RuntimeError("connection closed early")
-                got += k
-        return (time.perf_counter() - t0) * 1e3
 
 
 def iperf3(server: str) -> float:
