@@ -57,6 +57,11 @@ class Cluster:
 
         check_nodes(cfg.cluster, ray.nodes())  # a missing node or resource, named, before any worker
         num_nodes = len([n for n in ray.nodes() if n["Alive"]])
+        if num_nodes > 1 and cfg.transfer.node_env:  # what each node exported before `ray start`
+            from rl.nodes import node_environments
+
+            for node, node_env in node_environments(cfg.transfer.node_env).items():
+                cfg.transfer.check_node_env(node, node_env, num_nodes)
         services, self._stop_services = cfg.transfer.start_services(
             self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
         self.runtime = dataclasses.replace(self.runtime, transfer=services)

@@ -56,3 +56,21 @@ def describe_nodes(nodes: list[dict[str, Any]]) -> str:
                       and not k.startswith(("node:", "accelerator_type:")) and "_group_" not in k)
 
     return ", ".join(f"{n['NodeManagerAddress']} {custom(n)}" for n in nodes) or "no nodes"
+
+
+def node_environments(names: tuple[str, ...], timeout_s: float = 60) -> dict[str, dict[str, str]]:
+    """Each alive node's values of the environment variables ``names``, as Ray workers there
+    see them (exported before ``ray start``, or set by the job): node address -> values."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def read(keys: tuple[str, ...]) -> dict[str, str]:
+        import os
+
+        return {k: os.environ[k] for k in keys if k in os.environ}
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    refs = [read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(names) for n in nodes]
+    return dict(zip([n["NodeManagerAddress"] for n in nodes], ray.get(refs, timeout=timeout_s)))

@@ -3,6 +3,7 @@ driver's watchdog names a dependency that died; MOONCAKE_PROTOCOL is honoured.""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -129,3 +130,40 @@ def test_watchdog_interrupts_a_driver_started_with_sigint_blocked(tmp_path):
                          preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}))
     assert "interrupted after" in out.stdout and "the master died" in out.stdout, out.stdout + out.stderr
     assert time.monotonic() - t0 < 10
+
+
+_NODE_ENV_DRIVER = """
+import sys
+sys.path.insert(0, {repo!r})
+import ray
+from rl.config.transfer import MooncakeTransferConfig
+from rl.nodes import node_environments
+
+ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING",
+         runtime_env={{"env_vars": {{"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}}}})
+envs = node_environments(MooncakeTransferConfig.node_env)
+print("read", envs, flush=True)
+for node, env in envs.items():
+    MooncakeTransferConfig(local_hostname="10.0.0.5").check_node_env(node, env, num_nodes=2)  # the field wins
+    try:
+        MooncakeTransferConfig().check_node_env(node, env, num_nodes=2)
+    except ValueError as e:
+        print("refused:", e, flush=True)
+ray.shutdown()
+"""
+
+
+def test_a_loopback_hostname_exported_on_a_node_is_read_there_and_refused(tmp_path):
+    """The quickstart exports MOONCAKE_LOCAL_HOSTNAME on each node before `ray start`: the
+    driver cannot see another node's value in its own environment, so it reads each node's
+    through a task pinned there (here: the one node of a local Ray, whose workers have it)."""
+    from tests.conftest import REPO
+
+    script = tmp_path / "driver.py"
+    script.write_text(_NODE_ENV_DRIVER.format(repo=REPO))
+    env = {k: v for k, v in os.environ.items() if k != "MOONCAKE_LOCAL_HOSTNAME"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert "'MOONCAKE_LOCAL_HOSTNAME': '127.0.0.1'" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert ("refused: MOONCAKE_LOCAL_HOSTNAME on node 127.0.0.1 is '127.0.0.1', a loopback address, "
+            "but the Ray cluster has 2 nodes") in out.stdout, out.stdout + out.stderr[-2000:]

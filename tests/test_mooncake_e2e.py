@@ -111,7 +111,7 @@ def test_environment_errors_before_workers_start(args, env, fragment, tmp_path):
 def test_loopback_hostname_with_several_nodes_is_refused(tmp_path):
     cfg = compose("transfer=mooncake_tcp", "transfer.local_hostname=127.0.0.1")
     runtime = Runtime("t", str(tmp_path), "/nonexistent")
-    with pytest.raises(ValueError, match="loopback address but the Ray cluster has 2 nodes"):
+    with pytest.raises(ValueError, match="a loopback address, but the Ray cluster has 2 nodes"):
         cfg.transfer.start_services(runtime, num_nodes=2, bytes_per_step=1 << 20)
 
 

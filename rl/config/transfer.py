@@ -9,7 +9,7 @@ starts, in ``transfer.data.mooncake_bootstrap``; this schema only hands it the f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -38,6 +38,14 @@ class TransferConfig:
         """A store client for this process; ``contribute_segment``: it lends memory to the
         store (learner local rank 0 only)."""
         raise NotImplementedError
+
+    node_env: ClassVar[tuple[str, ...]] = ()
+    """Environment variables the backend's clients read on their own node (exported there
+    before ``ray start``); on several nodes the driver reads them from each node first."""
+
+    def check_node_env(self, node: str, env: dict[str, str], num_nodes: int) -> None:
+        """Driver side, before any worker starts: refuse what ``node`` exports (``env``: its
+        values of ``node_env``) if the backend cannot work with it."""
 
 
 @dataclass(kw_only=True)
@@ -111,6 +119,15 @@ class MooncakeTransferConfig(TransferConfig):
             protocol=self.protocol, device_name=self.device_name,
             global_segment_size=self.global_segment_size, replica_num=self.replica_num,
             master_start_timeout_s=self.master_start_timeout_s)
+
+    node_env: ClassVar[tuple[str, ...]] = ("MOONCAKE_LOCAL_HOSTNAME",)
+
+    def check_node_env(self, node: str, env: dict[str, str], num_nodes: int) -> None:
+        from transfer.data.mooncake_bootstrap import check_announced_hostname
+
+        if self.local_hostname is None:  # the field wins over every node's environment
+            check_announced_hostname(env.get("MOONCAKE_LOCAL_HOSTNAME"), num_nodes=num_nodes,
+                                     where=f"MOONCAKE_LOCAL_HOSTNAME on node {node}")
 
     def build(self, runtime: "Runtime", *, contribute_segment: bool = False) -> "RolloutStore":
         from rl.runtime import node_ip

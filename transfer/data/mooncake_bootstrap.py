@@ -107,11 +107,17 @@ def check_environment(*, num_nodes: int, local_hostname: Optional[str], protocol
             raise ValueError(f"transfer protocol rdma: this machine has no RDMA device "
                              f"(/sys/class/infiniband is empty), {device!r} cannot work; "
                              "use transfer=mooncake_tcp")
-    host = local_hostname or os.environ.get("MOONCAKE_LOCAL_HOSTNAME")
+    check_announced_hostname(local_hostname or os.environ.get("MOONCAKE_LOCAL_HOSTNAME"),
+                             num_nodes=num_nodes, where="transfer.local_hostname")
+
+
+def check_announced_hostname(host: Optional[str], *, num_nodes: int, where: str) -> None:
+    """The address a client announces must reach it from the other nodes. ``where`` names
+    the setting the value came from (the field, or a node's exported variable)."""
     if num_nodes > 1 and host and _is_loopback(host):
-        raise ValueError(f"transfer.local_hostname={host!r} is a loopback address but the Ray "
-                         f"cluster has {num_nodes} nodes: other nodes cannot reach it; unset it "
-                         "(the Ray node IP is used) or give this node's routable address")
+        raise ValueError(f"{where} is {host!r}, a loopback address, but the Ray cluster has "
+                         f"{num_nodes} nodes: other nodes cannot reach it; unset it (the Ray node "
+                         "IP is used) or give that node's routable address")
 
 
 def check_capacity(*, global_segment_size: int, bytes_per_step: int, batches_held: int,
