@@ -32,7 +32,7 @@ def main(dcfg: DictConfig) -> None:
         with Cluster(cfg, runtime) as cluster:
             rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
             start = resume(cfg, cluster)
-            learners.push_weights(version=start)  # engines serve exactly the learner's weights
+            cluster.push_weights(version=start)  # engines serve exactly the learner's weights
 
             for step in range(start, cfg.num_steps):
                 timer = StepTimer()
@@ -41,7 +41,7 @@ def main(dcfg: DictConfig) -> None:
                 with timer("train"), consuming(store, ref):  # removed after: consumed once
                     metrics = learners.train(ref)  # each rank gets its partition and trains
                 with timer("update_weights"):
-                    weights = learners.push_weights(version=step + 1)
+                    weights = cluster.push_weights(version=step + 1)
                 logger.log(step, step_metrics(step, ref, metrics, weights, timer))
                 maybe_save(cfg, runtime, cluster, step + 1)
     finally:

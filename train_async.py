@@ -32,7 +32,7 @@ def one_step_off_policy(cfg, cluster, logger, runtime) -> None:
 
     rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
     start = resume(cfg, cluster)
-    learners.push_weights(version=start)
+    cluster.push_weights(version=start)
     pending = rollout.generate_async(start)
     try:
         for step in range(start, cfg.num_steps):
@@ -49,7 +49,7 @@ def one_step_off_policy(cfg, cluster, logger, runtime) -> None:
             with timer("wait_rollout"):
                 rollout.wait_idle(pending)  # never swap weights under a running generation
             with timer("update_weights"):
-                weights = learners.push_weights(version=step + 1)
+                weights = cluster.push_weights(version=step + 1)
             logger.log(step, step_metrics(step, ref, metrics, weights, timer))
             maybe_save(cfg, runtime, cluster, step + 1, rollout_state=position)
     finally:
@@ -62,7 +62,7 @@ def fully_async(cfg, cluster, logger, runtime) -> None:
 
     rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
     start = resume(cfg, cluster)
-    learners.push_weights(version=start)
+    cluster.push_weights(version=start)
     rollout.start_stream(first_step=start)
     try:
         for step in range(start, cfg.num_steps):
@@ -72,7 +72,7 @@ def fully_async(cfg, cluster, logger, runtime) -> None:
             with timer("train"), consuming(store, ref):
                 metrics = learners.train(ref)
             with timer("update_weights"), rollout.paused():  # no forward pass mid-update
-                weights = learners.push_weights(version=step + 1)
+                weights = cluster.push_weights(version=step + 1)
             rollout.release(ref, step)  # its queue slot: the next batch starts on new weights
             logger.log(step, step_metrics(step, ref, metrics, weights, timer))
             if checkpoint_due(cfg, step + 1):  # queued batches are generated again on resume

@@ -38,6 +38,7 @@ class Cluster:
         self._started_ray = False
         self._stop_services = None
         self.watchdog = None  # set by __enter__: the entry points' runs watch their dependencies
+        self.engine_restarts = 0
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -91,19 +92,25 @@ class Cluster:
         self.learners.connect_engines(self.engine_clients())
         return self
 
-    def _start_engines(self, pg, env: dict[str, str]) -> None:
+    def _engine_actor(self, i: int):
+        """Engine ``i``'s actor (not yet started), on bundle ``i`` of the engines' placement."""
         import ray
 
         from rl.rollout.engines.launcher import EngineProcess
 
+        c = self.cfg.cluster
+        return ray.remote(EngineProcess).options(
+            num_cpus=0, num_gpus=c.gpus_per_engine or None,
+            scheduling_strategy=_in_bundle(self._engine_pg, i)).remote(
+                i, self.cfg.rollout, self.runtime.model_path, self.cfg.seed, self.runtime.log_dir,
+                None, self._env, c.gpus_per_engine, self.cfg.model.dtype)
+
+    def _start_engines(self, pg, env: dict[str, str]) -> None:
+        import ray
+
         c, rc = self.cfg.cluster, self.cfg.rollout
-        actor = ray.remote(EngineProcess)
-        for i in range(c.num_engines):
-            self.engines.append(actor.options(
-                num_cpus=0, num_gpus=c.gpus_per_engine or None,
-                scheduling_strategy=_in_bundle(pg, i)).remote(
-                    i, rc, self.runtime.model_path, self.cfg.seed, self.runtime.log_dir,
-                    None, env, c.gpus_per_engine, self.cfg.model.dtype))
+        self._engine_pg, self._env = pg, env
+        self.engines = [self._engine_actor(i) for i in range(c.num_engines)]
         print(f"[cluster] starting {c.num_engines} {rc.name} engine(s); logs in {self.runtime.log_dir}",
               flush=True)
         self.engine_urls = ray.get([e.start.remote() for e in self.engines],
@@ -122,6 +129,92 @@ class Cluster:
         return [EngineClient(u, f"engine-{i}", num_ranks=max(1, self.cfg.cluster.gpus_per_engine),
                              timeout_s=self.cfg.weights.timeout_s, flush_after_update=not in_place)
                 for i, u in enumerate(self.engine_urls)]
+
+    # -- weights, and engine faults (rollout.fault_tolerance) ------------------------------
+    def push_weights(self, version: int) -> dict[str, float]:
+        """The learners' weights to every engine, as ``version``. With fault tolerance,
+        engines found dead since the last sync are replaced first (a new engine on the same
+        bundle, joined to the weight path, given these weights, checked to serve ``version``
+        and only then put back into service); an engine that dies during the push is
+        replaced the same way and the push made again."""
+        if not self.cfg.rollout.fault_tolerance:
+            return self.learners.push_weights(version=version)
+        restart_s = 0.0
+        down = self.rollout.begin_sync()
+        ok = False
+        try:
+            while True:
+                if down:
+                    restart_s += self._replace_engines(down)
+                try:
+                    metrics = self.learners.push_weights(version=version)
+                    ok = True
+                    break
+                except Exception as e:
+                    down = self.rollout.check_engines(self._unanswered(e))
+                    if not down:
+                        raise  # not an engine's death: the run's error
+                    print(f"[fault] the push of version {version} failed ({_first_line(e)}); "
+                          f"replacing {', '.join(f'engine-{i}' for i in down)} and pushing again",
+                          flush=True)
+        finally:
+            self.rollout.end_sync(ok)
+        return {**metrics, "rollout/engine_restarts": float(self.engine_restarts),
+                "rollout/engine_restart_s": restart_s}
+
+    def _unanswered(self, error: BaseException) -> dict[int, str]:
+        """The engines a failed push got no answer from (``UpdateFailed.unanswered``)."""
+        cause = getattr(error, "cause", None) or error
+        urls = [u.rstrip("/") for u in getattr(cause, "unanswered", [])]
+        return {i: "no answer to its weight update after the push failed"
+                for i, u in enumerate(self.engine_urls) if u.rstrip("/") in urls}
+
+    def _replace_engines(self, down: dict[int, str]) -> float:
+        """Stop each dead engine for good and start a new one on its bundle; the learners
+        form the update groups the new engines belong to again. Returns the seconds taken."""
+        import ray
+
+        rc = self.cfg.rollout
+        if self.engine_restarts + len(down) > rc.max_engine_restarts:
+            raise RuntimeError(f"{self._describe_dead(down)}; rollout.max_engine_restarts="
+                               f"{rc.max_engine_restarts} replacements (this run made "
+                               f"{self.engine_restarts}) are used up")
+        t0 = time.perf_counter()
+        new = {}
+        for i, why in sorted(down.items()):
+            print(f"[fault] engine-{i} died ({why}); starting a new one on its bundle", flush=True)
+            old = self.engines[i]
+            try:
+                ray.get(old.stop.remote(1.0), timeout=15)  # a hung server is killed, not waited for
+            except Exception as e:  # its actor may be gone with it; the kill below is enough
+                print(f"[fault] stopping engine-{i}: {_first_line(e)}", flush=True)
+            ray.kill(old)  # its server goes with it (PR_SET_PDEATHSIG)
+            self.engines[i] = self._engine_actor(i)
+            new[i] = self.engines[i].start.remote()
+        for i, ref in new.items():
+            self.engine_urls[i] = ray.get(ref, timeout=rc.engine_start_timeout_s + 60)
+        clients = self.engine_clients()
+        for i in new:
+            clients[i].check_update_ranks()
+        self.learners.reconnect_engines(clients, sorted(new))
+        self.rollout.replace_engines({i: self.engine_urls[i] for i in new})
+        self.engine_restarts += len(new)
+        took = time.perf_counter() - t0
+        print(f"[fault] {', '.join(clients[i].name for i in new)} started in {took:.1f}s "
+              f"(replacement {self.engine_restarts} of at most {rc.max_engine_restarts}); "
+              f"it takes requests once it serves the pushed weights", flush=True)
+        return took
+
+    def _describe_dead(self, down: dict[int, str]) -> str:
+        """Each dead engine, why, and the last lines of its log."""
+        from transfer.process import log_tail
+
+        parts = []
+        for i, why in sorted(down.items()):
+            path = os.path.join(self.runtime.log_dir, f"engine_{i}.log")
+            tail = log_tail(path, 5) if os.path.exists(path) else f"(log at {path} on its node)"
+            parts.append(f"engine-{i} died ({why}); last lines of {path}:\n{tail}")
+        return "\n".join(parts)
 
     # -- stop --------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 60) -> None:
@@ -183,8 +276,9 @@ class Cluster:
         if master:
             host, _, port = master.rpartition(":")
             dog.watch_port(f"the Mooncake store's master at {master}", host, int(port))
-        for i, url in enumerate(self.engine_urls):
-            dog.watch_url(f"engine-{i} ({url})", url)
+        if not self.cfg.rollout.fault_tolerance:  # else the rollout manager watches them
+            for i, url in enumerate(self.engine_urls):
+                dog.watch_url(f"engine-{i} ({url})", url)
         dog.watch("a Ray node", ray_nodes_probe())
         return dog.start()
 
@@ -271,6 +365,19 @@ class RolloutHandle:
     def close(self, timeout_s: float = 60) -> None:
         self._ray.get(self.actor.close.remote(), timeout=timeout_s)
 
+    # engine faults: see Cluster.push_weights
+    def begin_sync(self) -> dict[int, str]:
+        return self._ray.get(self.actor.begin_sync.remote())
+
+    def check_engines(self, stuck: dict[int, str]) -> dict[int, str]:
+        return self._ray.get(self.actor.check_engines.remote(stuck))
+
+    def replace_engines(self, urls: dict[int, str]) -> None:
+        self._ray.get(self.actor.replace_engines.remote(urls))
+
+    def end_sync(self, ok: bool) -> list[int]:
+        return self._ray.get(self.actor.end_sync.remote(ok))
+
 
 class LearnerGroup:
     """All learner ranks as one object: each call fans out and returns rank 0's answer."""
@@ -301,6 +408,9 @@ class LearnerGroup:
 
     def push_weights(self, version: int) -> dict[str, float]:
         return self._all("push_weights", version)[0]
+
+    def reconnect_engines(self, receivers: list, replaced: list[int]) -> None:
+        self._all("reconnect_engines", receivers, replaced)
 
     def full_state(self) -> dict:
         return self._all("full_state")[0]
@@ -364,3 +474,10 @@ def _wait_ready(pgs: list, timeout_s: float) -> None:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"Ray could not place bundles {pg.bundle_specs} within {timeout_s:.0f}s: "
                                f"cluster resources are {ray.cluster_resources()}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an error's message (a Ray task error's: of the error it carries)."""
+    cause = getattr(e, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

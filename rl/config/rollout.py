@@ -39,8 +39,20 @@ class RolloutConfig:
     engine_start_timeout_s: float = 180.0
     """Bound on an engine becoming healthy; its log tail is reported when exceeded."""
     health_check_timeout_s: float = 30.0
-    """Bound on one ``/health`` answer (SGLang answers 503 while loading, and may run a
-    one-token generation and sleep 1 s before answering 200)."""
+    """Bound on one ``/health`` answer while an engine starts (SGLang answers 503 while
+    loading, and may run a one-token generation and sleep 1 s before answering 200), and on
+    one ``/health_generate`` answer once it serves: slower, and the engine is replaced."""
+    fault_tolerance: bool = True
+    """Replace an engine that dies or stops generating, and send its requests to the others
+    (docs/fault-tolerance.md); false: the first engine death ends the run, naming it."""
+    health_check_interval_s: float = 10.0
+    """How often each engine in service is asked ``/health_generate`` (a dead process is
+    noticed within half a second either way)."""
+    health_check_first_wait_s: float = 10.0
+    """No ``/health_generate`` for this long after an engine comes into service."""
+    max_engine_restarts: int = 4
+    """Engine replacements a run may make; one more death ends it with an error naming the
+    engines and their last log lines."""
     fully_async: bool = False
     """``train_async.py`` only: engines generate continuously into a bounded queue instead of
     one batch ahead (weight syncs pause and continue them)."""
@@ -53,7 +65,11 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "max_prompt_tokens",
-                  "request_timeout_s", "engine_start_timeout_s", "health_check_timeout_s")
+                  "request_timeout_s", "engine_start_timeout_s", "health_check_timeout_s",
+                  "health_check_interval_s")
+        if self.health_check_first_wait_s < 0 or self.max_engine_restarts < 0:
+            raise ValueError("rollout.health_check_first_wait_s and rollout.max_engine_restarts "
+                             "must be >= 0")
         if self.max_inflight_batches < 1:
             raise ValueError(f"rollout.max_inflight_batches={self.max_inflight_batches}: the queue "
                              f"needs room for at least 1 batch (2 or more lets generation overlap training)")

@@ -298,6 +298,10 @@ class Learner:
     def connect_engines(self, receivers: list) -> None:
         self.weight_sync.connect(receivers)
 
+    def reconnect_engines(self, receivers: list, replaced: list[int]) -> None:
+        """Engines ``replaced`` were started again (rollout fault tolerance)."""
+        self.weight_sync.reconnect(receivers, replaced)
+
     def push_weights(self, version: int) -> dict[str, float]:
         return self.weight_sync.push(self.model.named_parameters(), version)
 

@@ -84,6 +84,15 @@ class EngineClient:
         except EngineError:
             return False
 
+    def health_generate(self, timeout_s: float) -> str | None:
+        """``GET /health_generate``: the server generates one token (SGLang: a real request
+        through its scheduler) and answers 200. None when it did, else why not."""
+        try:
+            self._request("GET", "/health_generate", timeout_s=timeout_s)
+            return None
+        except EngineError as e:
+            return str(e)
+
     def model_info(self) -> dict:
         """``GET /model_info`` (SGLang 0.5.6 and later, with ``weight_version``); a server
         without it may still have the older ``/get_model_info``."""
@@ -208,18 +217,91 @@ class EngineClient:
 
 
 class EnginePool:
-    """Sends each request to the engine with the fewest requests in flight."""
+    """Sends each request to the live engine with the fewest requests in flight.
 
-    def __init__(self, clients: list[EngineClient]) -> None:
+    With ``retry`` (rollout fault tolerance), an engine found dead is taken out of service
+    (``mark_down``, by the request that saw it die or by ``rl.rollout.health``) and every
+    request in flight on it is sent again to a live engine: a request's answer is taken from
+    exactly one engine. Without it, the first failure is raised, as before."""
+
+    POLL_S = 0.1
+    """How often a request in flight looks whether its engine was taken out of service."""
+
+    def __init__(self, clients: list[EngineClient], retry: bool = False) -> None:
         if not clients:
             raise ValueError("no engines to send requests to")
         self.clients = clients
+        self.retry = retry
         self.inflight = [0] * len(clients)
+        self.state = ["live"] * len(clients)
+        """``live`` (takes requests), ``down`` (dead, not yet replaced) or ``joining``
+        (replaced, takes requests once it serves the current weights)."""
+        self.down_reason: dict[int, str] = {}
+        self.retried = 0
+        """Requests sent again because their engine died (a request of ``n`` samples is one)."""
+
+    def live(self) -> list[int]:
+        return [i for i, s in enumerate(self.state) if s == "live"]
+
+    def mark_down(self, i: int, reason: str) -> bool:
+        """Take engine ``i`` out of service; False when it already was."""
+        if self.state[i] != "live":
+            return False
+        self.state[i] = "down"
+        self.down_reason[i] = reason
+        print(f"[rollout] {self.clients[i].name} is down ({reason}); its requests go to the "
+              f"other engines", flush=True)
+        return True
+
+    def replace(self, i: int, client: EngineClient) -> None:
+        """Engine ``i`` was started again; it takes requests after ``join``."""
+        self.clients[i] = client
+        self.state[i] = "joining"
+        self.down_reason.pop(i, None)
+
+    def join(self) -> list[int]:
+        """Replaced engines serve the current weights now: back in service."""
+        joined = [i for i, s in enumerate(self.state) if s == "joining"]
+        for i in joined:
+            self.state[i] = "live"
+        return joined
+
+    def _pick(self) -> int:
+        live = self.live()
+        if not live:
+            raise EngineError("every engine is down: " + "; ".join(
+                f"{self.clients[i].name}: {self.down_reason.get(i, self.state[i])}"
+                for i in range(len(self.clients))))
+        return min(live, key=self.inflight.__getitem__)
 
     async def generate(self, session, payload: dict, timeout_s: float) -> list[dict]:
-        i = min(range(len(self.clients)), key=self.inflight.__getitem__)
-        self.inflight[i] += 1
+        while True:
+            i = self._pick()
+            self.inflight[i] += 1
+            try:
+                if not self.retry:
+                    return await self.clients[i].agenerate(session, payload, timeout_s)
+                answer = await self._on(i, session, payload, timeout_s)
+            finally:
+                self.inflight[i] -= 1
+            if answer is not None:
+                return answer
+            self.retried += 1
+
+    async def _on(self, i: int, session, payload: dict, timeout_s: float) -> list[dict] | None:
+        """The request's answer from engine ``i``, or None when that engine was found dead
+        before answering (the request was cancelled there)."""
+        task = asyncio.ensure_future(self.clients[i].agenerate(session, payload, timeout_s))
         try:
-            return await self.clients[i].agenerate(session, payload, timeout_s)
+            while not task.done():
+                await asyncio.wait([task], timeout=self.POLL_S)
+                if self.state[i] != "live" and not task.done():
+                    return None
+            return task.result()
+        except EngineError as e:
+            if e.status is not None:  # the engine answered: a refused request is no death
+                raise
+            self.mark_down(i, str(e))
+            return None
         finally:
-            self.inflight[i] -= 1
+            task.cancel()

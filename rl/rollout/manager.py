@@ -24,7 +24,7 @@ import numpy as np
 from rl.algo import grpo_advantages
 from rl.config import Config
 from rl.model import load_tokenizer
-from rl.rollout.client import EngineClient, EnginePool
+from rl.rollout.client import EngineClient, EngineError, EnginePool
 from rl.runtime import Runtime
 from rl.tasks import Prompt
 from rl.types import RolloutBatch, RolloutRef
@@ -36,8 +36,15 @@ class RolloutManager:
         self.runtime = runtime
         self.tokenizer = load_tokenizer(runtime.model_path)
         self.task = cfg.task.build()
-        self.pool = EnginePool([EngineClient(u, f"engine-{i}", timeout_s=cfg.rollout.request_timeout_s)
-                                for i, u in enumerate(engine_urls)])
+        rc = cfg.rollout
+        self.pool = EnginePool([self._client(i, u) for i, u in enumerate(engine_urls)],
+                               retry=rc.fault_tolerance)
+        self.monitor = None
+        if rc.fault_tolerance:
+            from rl.rollout.health import HealthMonitor
+
+            self.monitor = HealthMonitor(self.pool, rc.health_check_interval_s, rc.health_check_timeout_s,
+                                         rc.health_check_first_wait_s).start()
         self.store = cfg.transfer.build(runtime)
         self.next_sample_id = 0
         self._lock = threading.Lock()  # data position and sample ids (the stream thread draws too)
@@ -63,6 +70,7 @@ class RolloutManager:
         if too_long:
             raise ValueError(f"{len(too_long)} prompt(s) of up to {max(too_long)} tokens exceed "
                              f"rollout.max_prompt_tokens={rc.max_prompt_tokens}; raise it")
+        retried = self.pool.retried
         answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
                                               sampling, rc.request_timeout_s, label=f"step {step}",
                                               stop=stop))
@@ -81,6 +89,7 @@ class RolloutManager:
             "rollout/truncated_frac": float(np.mean([f != "stop" for f in batch.finish_reason])),
             "rollout/zero_std_groups": float(zero_std),
             "rollout/generate_time": gen_s,
+            "rollout/retried_requests": float(self.pool.retried - retried),
             "rollout/samples_per_s": len(batch) / max(gen_s, 1e-9),
             "rollout/weight_version_min": float(batch.weight_version.min()),
             "rollout/weight_version_mean": float(batch.weight_version.mean()),
@@ -155,12 +164,65 @@ class RolloutManager:
 
     def pause(self) -> None:
         """Every engine stops scheduling forward passes (requests in flight are kept)."""
-        for c in self.pool.clients:
-            c.pause_generation(self.cfg.rollout.pause_mode)
+        self._suspend_checks()
+        self._on_live("pause_generation", self.cfg.rollout.pause_mode)
 
     def resume(self) -> None:
-        for c in self.pool.clients:
-            c.continue_generation()
+        self._on_live("continue_generation")
+        self._resume_checks()
+
+    def _on_live(self, method: str, *args) -> None:
+        """Call every engine in service; with fault tolerance, one that does not answer is
+        taken out of service (replaced at the next sync) instead of failing the call."""
+        for i in self.pool.live():
+            try:
+                getattr(self.pool.clients[i], method)(*args)
+            except EngineError as e:
+                if self.monitor is None or e.status is not None:
+                    raise
+                self.pool.mark_down(i, str(e))
+
+    # -- engine faults (rollout.fault_tolerance; driven by rl.cluster.Cluster.push_weights) ----
+    def _client(self, i: int, url: str) -> EngineClient:
+        return EngineClient(url, f"engine-{i}", timeout_s=self.cfg.rollout.request_timeout_s)
+
+    def _suspend_checks(self) -> None:
+        if self.monitor is not None:
+            self.monitor.suspend()
+
+    def _resume_checks(self, joined: list[int] = ()) -> None:
+        if self.monitor is not None:
+            self.monitor.resume(joined)
+
+    def begin_sync(self) -> dict[int, str]:
+        """A weight sync starts (no ``/health_generate`` during it): the engines out of
+        service, to replace before it, and why."""
+        self._suspend_checks()
+        return dict(self.pool.down_reason)
+
+    def check_engines(self, stuck: dict[int, str]) -> dict[int, str]:
+        """After a failed sync: take out the engines ``stuck`` in it (no answer to their
+        update) and probe the others; the engines out of service, and why."""
+        if self.monitor is None:
+            return {}
+        for i, why in stuck.items():
+            self.pool.mark_down(i, why)
+        return self.monitor.check_now()
+
+    def replace_engines(self, urls: dict[int, str]) -> None:
+        """Engines started again in place of dead ones; they take requests after ``end_sync``."""
+        for i, url in urls.items():
+            self.pool.replace(i, self._client(i, url))
+
+    def end_sync(self, ok: bool = True) -> list[int]:
+        """The sync is over; when it succeeded, replaced engines serve the current weights
+        (the sender checked their version) and go back into service. Returns those."""
+        joined = self.pool.join() if ok else []
+        self._resume_checks(joined)
+        if joined:
+            print(f"[rollout] {', '.join(self.pool.clients[i].name for i in joined)} back in service",
+                  flush=True)
+        return joined
 
     # -- fully async -------------------------------------------------------------------------
     def start_stream(self, first_step: int) -> None:
@@ -184,6 +246,8 @@ class RolloutManager:
 
     def close(self) -> None:
         try:
+            if self.monitor is not None:
+                self.monitor.stop()
             self.stop_stream()
         finally:
             self.store.close()

@@ -60,6 +60,11 @@ class WeightReceiver(Protocol):
 class WeightSync(Protocol):
     def connect(self, receivers: Sequence[WeightReceiver]) -> None: ...
 
+    def reconnect(self, receivers: Sequence[WeightReceiver], replaced: Sequence[int]) -> None:
+        """Engines ``replaced`` (indices into ``receivers``) were started again: form the
+        update groups they belong to anew, with every engine of those groups."""
+        ...
+
     def push(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Send every parameter to the engines; return metrics (``weights/bytes`` ...)."""
         ...

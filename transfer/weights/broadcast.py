@@ -26,6 +26,29 @@ class EngineRefused(RuntimeError):
     """An engine refused a bucket (e.g. an update outside a weight-update session)."""
 
 
+class UpdateFailed(RuntimeError):
+    """A weight-update call failed on some engines. ``unanswered``: the URLs of those that
+    gave no answer at all within the bound (dead, or stuck in a broadcast a dead peer left
+    unfinished): rollout fault tolerance replaces those."""
+
+    def __init__(self, message: str, unanswered: list[str]) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered
+
+    def __reduce__(self):  # keeps ``unanswered`` across Ray's pickling of task errors
+        return type(self), (str(self), self.unanswered)
+
+
+STUCK_S = 5.0
+"""After a broadcast failed (a peer left), how long the engines get to answer their update
+call: one still waiting then is stuck in the unfinished broadcast (a gloo or NCCL receive
+ends only at the group's timeout) and counts as unanswered."""
+
+
+def _url(receiver: WeightReceiver) -> str:
+    return getattr(receiver, "url", receiver.name)
+
+
 class BroadcastSync:
     group_name = "rl-weights-broadcast"
 
@@ -47,6 +70,18 @@ class BroadcastSync:
             raise ValueError("weights=broadcast needs at least one engine to send to")
         if self.rank == 0:
             self._open_group(receivers)
+
+    def reconnect(self, receivers: Sequence[WeightReceiver], replaced: Sequence[int]) -> None:
+        """Every engine is in the one group: rank 0 forms it again with all of them."""
+        if self.rank == 0 and replaced:
+            self._reopen_group(receivers, gone=replaced)
+
+    def _reopen_group(self, receivers: Sequence[WeightReceiver], gone: Sequence[int]) -> None:
+        """Leave the current group (the engines still in it, all but the positions
+        ``gone``, destroy their side, so that they can join a group of the same name) and
+        host a new one with ``receivers``."""
+        self._leave_group(skip=gone)
+        self._open_group(receivers)
 
     def _open_group(self, receivers: Sequence[WeightReceiver]) -> None:
         """Host a side group with ``receivers`` (this process is rank 0 in it)."""
@@ -149,7 +184,11 @@ class BroadcastSync:
         except EngineRefused:
             raise
         except Exception as e:  # a peer left the group: the engines' answers say why
-            self._raise_engine_errors(futures, cause=e)
+            # Engines still alive wait in this broadcast until the group's timeout; closing
+            # our side of the group ends their wait now, so that they answer (and can join
+            # a group formed again without the dead one).
+            self.group.destroy()
+            self._raise_engine_errors(futures, cause=e, timeout_s=min(self.timeout_s, STUCK_S))
             raise
         self._raise_engine_errors(futures)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -184,23 +223,32 @@ class BroadcastSync:
         for w in issued["works"]:
             w.wait()
 
-    def _raise_engine_errors(self, futures: dict, cause: BaseException | None = None) -> None:
-        done, pending = wait(futures, timeout=self.timeout_s)
+    def _raise_engine_errors(self, futures: dict, cause: BaseException | None = None,
+                             timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        done, pending = wait(futures, timeout=timeout_s)
         errors = [f"{futures[f].name}: {f.exception()}" for f in done if f.exception()]
-        errors += [f"{futures[f].name}: no answer within {self.timeout_s:.0f}s" for f in pending]
+        errors += [f"{futures[f].name}: no answer within {timeout_s:.0f}s" for f in pending]
         if errors:
-            raise RuntimeError("weight update failed on " + "; ".join(errors)) from cause
+            raise UpdateFailed("weight update failed on " + "; ".join(errors),
+                               [_url(futures[f]) for f in pending]) from cause
 
     # -- teardown ----------------------------------------------------------------------
     def close(self) -> None:
+        self._leave_group(skip=())
+
+    def _leave_group(self, skip: Sequence[int]) -> None:
         if self.group is not None:
-            for r in self.receivers:
+            # Our side first: closing its connections ends a receive an engine may still be
+            # waiting in after a failed push (it holds the engine's weights until then).
+            # Destroyed already when a broadcast failed; the engines' sides are still there.
+            self.group.destroy()
+            self.group = None
+            for r in (r for i, r in enumerate(self.receivers) if i not in skip):
                 try:
                     r.destroy_weights_update_group(self.group_name)
                 except Exception as e:  # an engine already gone has nothing left to destroy
-                    print(f"[weights] {r.name}: destroy_weights_update_group failed: {e}")
-            self.group.destroy()
-            self.group = None
+                    print(f"[weights] {r.name}: destroy_weights_update_group failed: {e}", flush=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

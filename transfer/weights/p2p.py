@@ -56,3 +56,11 @@ class P2PSync(BroadcastSync):
         if not mine:
             return  # more learner ranks than engines: this rank only helps gather
         self._open_group(mine)
+
+    def reconnect(self, receivers: Sequence[WeightReceiver], replaced: Sequence[int]) -> None:
+        """Only the senders of replaced engines form their groups again (the plan depends on
+        the engines' sizes, which a replacement keeps); the others keep theirs."""
+        mine = self.plan[self.rank]
+        if any(i in mine for i in replaced):
+            self._reopen_group([receivers[i] for i in mine],
+                               gone=[k for k, i in enumerate(mine) if i in replaced])

@@ -90,6 +90,16 @@ class BatchScheduler:
             self.paused_mode = None
             self._state.notify_all()
 
+    def running(self) -> int:
+        """Requests on the model now."""
+        with self._state:
+            return self._running
+
+    def waiting(self) -> int:
+        """Requests submitted and not yet on the model."""
+        with self._state:
+            return self._waiting
+
     def idle(self) -> bool:
         """SGLang's ``is_fully_idle(ignore_waiting=paused)`` as it decides a flush: nothing
         running, and nothing queued unless paused in ``retract`` mode (whose queue is what
@@ -269,7 +279,8 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
                 "max_running_requests": scheduler.max_batch_size, "device": str(engine.device),
                 "engine": "hf-cpu", "internal_states": [{
                     "paused": scheduler.paused_mode is not None,
-                    "weight_update_session": engine.session is not None}]}
+                    "weight_update_session": engine.session is not None,
+                    "running_requests": scheduler.running(), "waiting_requests": scheduler.waiting()}]}
 
     @routes.get("/server_info")
     @routes.get("/get_server_info")  # deprecated in SGLang; the same answer
