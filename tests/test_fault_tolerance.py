@@ -167,6 +167,16 @@ def engines_of(proc: subprocess.Popen) -> tuple[list[str], list[int], str]:
     raise AssertionError("the run ended before its engines were up:\n" + "".join(lines[-40:]))
 
 
+def read_to(proc: subprocess.Popen, prefix: str) -> str:
+    """The run's output up to the first line starting with ``prefix``."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return "".join(lines)
+    raise AssertionError(f"no line {prefix!r}:\n" + "".join(lines[-40:]))
+
+
 def finish(proc: subprocess.Popen, head: str, timeout_s: float = 300) -> str:
     out, _ = proc.communicate(timeout=timeout_s)
     return head + out
@@ -211,6 +221,7 @@ def test_fully_async_survives_an_engine_killed_during_a_sync(prompts, tmp_path):
                "rollout.prompts_per_step=8", "rollout.max_new_tokens=40", "algo.max_staleness=1",
                *LENGTH_TASK, prompts, f"output_dir={tmp_path}")
     urls, pids, head = engines_of(proc)
+    head += read_to(proc, "step 1/")  # the paused engines' sync after a step, not the first push
     KillWhen(urls[0], pids[0], "syncing").sent()
     out = finish(proc, head)
     assert proc.returncode == 0, out[-4000:]
@@ -229,6 +240,7 @@ def test_a_hung_engine_is_found_by_the_health_check_and_replaced(prompts, tmp_pa
     proc = run("train.py", "num_steps=4", "rollout.prompts_per_step=8", "rollout.max_new_tokens=40",
                *FAST_CHECKS, *LENGTH_TASK, prompts, f"output_dir={tmp_path}")
     urls, pids, head = engines_of(proc)
+    head += read_to(proc, "step 1/")  # a step in: past the start-up's weight-group rendezvous
     stopped = KillWhen(urls[1], pids[1], "generating", sig=signal.SIGSTOP)
     try:
         stopped.sent()
@@ -252,10 +264,7 @@ def test_past_the_restart_bound_the_run_ends_naming_the_engine(tmp_path):
     proc = run("train.py", "num_steps=10000", "rollout.prompts_per_step=8", "rollout.max_engine_restarts=0",
                f"output_dir={tmp_path}")
     urls, pids, head = engines_of(proc)
-    for line in proc.stdout:  # a step or two in
-        head += line
-        if line.startswith("step 2/"):
-            break
+    head += read_to(proc, "step 2/")
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
     out = finish(proc, head, timeout_s=60)
