@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import sys
 import time
 from contextlib import contextmanager
 
@@ -79,6 +82,50 @@ def resume(cfg: Config, cluster) -> int:
     cluster.rollout.load_state_dict(state["rollout"])
     print(f"[run] resumed from {path} at step {state['step']}", flush=True)
     return int(state["step"])
+
+
+def newest_checkpoint(cfg: Config, runtime: Runtime) -> str | None:
+    """The newest complete checkpoint (one with trainer_state.json) this run can resume from:
+    the latest it saved, else the one it resumed from; None when there is none."""
+    from rl.learner.checkpoint import TRAINER_STATE, read_trainer_state
+
+    root = checkpoint_root(cfg, runtime)
+    found = [os.path.join(root, d) for d in (os.listdir(root) if os.path.isdir(root) else [])
+             if d.startswith("step_") and os.path.exists(os.path.join(root, d, TRAINER_STATE))]
+    if cfg.checkpoint.resume is not None:
+        found.append(os.path.abspath(os.path.expanduser(cfg.checkpoint.resume)))
+    return max(found, key=lambda p: int(read_trainer_state(p)["step"]), default=None)
+
+
+_PLAIN_VALUE = re.compile(r"[\w./:@+-]+")
+
+
+def resume_command(checkpoint: str, output_dir: str, argv: list[str] | None = None,
+                   cwd: str | None = None) -> str:
+    """The command line that continues this run from ``checkpoint``, for a shell: this
+    directory, this interpreter, the same script and overrides, with ``output_dir`` set to
+    this run's directory (metrics.jsonl appends, checkpoints continue beside the old ones)
+    and ``checkpoint.resume`` replacing any earlier one."""
+    argv = list(sys.argv if argv is None else argv)
+
+    def override(key: str, value: str) -> str:  # a Hydra value: quoted unless plain
+        if not _PLAIN_VALUE.fullmatch(value):
+            value = "'" + value.replace("'", "\\'") + "'"
+        return f"{key}={value}"
+
+    mine = re.compile(r"\+{0,2}(checkpoint\.resume|output_dir)=")
+    args = [a for a in argv[1:] if not mine.match(a)]
+    args += [override("output_dir", output_dir), override("checkpoint.resume", checkpoint)]
+    return f"cd {shlex.quote(cwd or os.getcwd())} && {shlex.join([sys.executable, argv[0], *args])}"
+
+
+def resume_hint(cfg: Config, runtime: Runtime) -> str:
+    """What to run after a learner died: the resume command, or why there is none."""
+    path = newest_checkpoint(cfg, runtime)
+    if path is None:
+        return (f"no complete checkpoint to resume from (checkpoint.every={cfg.checkpoint.every}; "
+                "0 saves none): the run must be started again")
+    return f"resume with: {resume_command(path, runtime.output_dir)}"
 
 
 @contextmanager
