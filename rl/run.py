@@ -179,8 +179,8 @@ def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, flo
 
 
 def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str, int]:
-    """Write ``samples.jsonl`` (one line per generated batch: each sample's weight version
-    and outcome) and print the balance: generated = trained + dropped, by reason."""
+    """Append to ``samples.jsonl`` (one line per generated batch: each sample's weight version
+    and outcome) and print this run's balance: generated = trained + dropped, by reason."""
     import json
     from collections import Counter
 
@@ -188,7 +188,8 @@ def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str
         print("[run] samples: no ledger (the rollout manager did not answer)", flush=True)
         return {}
     counts = Counter(o or "unfinished" for entry in ledger for o in entry["outcome"])
-    with open(os.path.join(runtime.output_dir, "samples.jsonl"), "w") as f:
+    # appended: a resumed run (same output_dir) adds its batches after the dead run's
+    with open(os.path.join(runtime.output_dir, "samples.jsonl"), "a") as f:
         for entry in ledger:
             f.write(json.dumps(entry) + "\n")
     generated = sum(counts.values())
