@@ -263,7 +263,14 @@ class Cluster:
                     raise
             # an actor error can arrive before the next probe: look once more
             failure = self.watchdog.check_now() if exc_type is not None else self.watchdog.failure
-        self.shutdown(timeout_s=10 if failure else 60)  # graceful closes may wait on the dead
+        died = _learner_death(exc, self.learners) if failure is None and exc is not None else None
+        self.shutdown(timeout_s=10 if failure or died else 60)  # graceful closes may wait on the dead
+        if died:
+            from rl.run import resume_hint
+
+            hint = resume_hint(self.cfg, self.runtime)  # after shutdown: the last thing printed
+            print(f"[run] {hint}", flush=True)
+            failure = f"{died}\n{hint}"
         if failure:
             raise RuntimeError(f"the run stopped: {failure}") from exc
 
@@ -380,7 +387,9 @@ class RolloutHandle:
 
 
 class LearnerGroup:
-    """All learner ranks as one object: each call fans out and returns rank 0's answer."""
+    """All learner ranks as one object: each call fans out and returns rank 0's answer.
+    When a call fails and some rank's actor is gone, it raises ``LearnerDied`` naming that
+    rank (the first error to arrive is often a surviving rank's broken collective)."""
 
     def __init__(self, cfg: Config, runtime: Runtime, pg) -> None:
         import ray
@@ -393,12 +402,43 @@ class LearnerGroup:
                                    scheduling_strategy=_in_bundle(pg, r)).remote(cfg, runtime, r, n)
                        for r in range(n)]
         self._ray = ray
+        # (pid, node IP) of each rank, to name a dead one
+        self.where = ray.get([a.__ray_call__.remote(_pid_and_node) for a in self.actors])
+        print("[cluster] learner ranks: " + ", ".join(f"{r} (pid {pid} on {node})"
+                                                     for r, (pid, node) in enumerate(self.where)), flush=True)
+        self.dead: dict[int, str] = {}
+        """Ranks found dead, with why (filled when a call fails)."""
         addr, port = ray.get(self.actors[0].address.remote())
         self._all("setup", addr, port)
         self._all("connect_store")  # segments are mounted before the first put
 
     def _all(self, method: str, *args, timeout: float | None = None) -> list:
-        return self._ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=timeout)
+        # ray.get of a list raises as soon as any call fails, without waiting for the rest
+        try:
+            return self._ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=timeout)
+        except self._ray.exceptions.RayError as e:
+            if self.find_dead():
+                raise LearnerDied(self.describe_dead()) from e
+            raise
+
+    def find_dead(self, timeout_s: float = 5.0) -> dict[int, str]:
+        """Ping every rank (bounded): those whose actor is gone join ``self.dead``. A rank
+        still busy after ``timeout_s`` (e.g. blocked in a collective) counts as alive."""
+        ray = self._ray
+        pings = [a.__ray_ready__.remote() for a in self.actors]
+        ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        for rank, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=0)
+            except ray.exceptions.ActorDiedError as e:
+                self.dead.setdefault(rank, _death_reason(e))
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return self.dead
+
+    def describe_dead(self) -> str:
+        return "; ".join(f"learner rank {r} (pid {self.where[r][0]} on {self.where[r][1]}) died: {why}"
+                         for r, why in sorted(self.dead.items()))
 
     def train(self, ref) -> dict[str, float]:
         return self._all("train", ref)[0]
@@ -422,7 +462,42 @@ class LearnerGroup:
         self._all("load", path)
 
     def close(self, timeout_s: float = 60) -> None:
-        self._all("close", timeout=timeout_s)
+        # a rank found dead cannot answer; the others still close their store and sync parts
+        alive = [a for r, a in enumerate(self.actors) if r not in self.dead]
+        self._ray.get([a.close.remote() for a in alive], timeout=timeout_s)
+
+
+class LearnerDied(RuntimeError):
+    """A learner rank's actor is gone; the message names each dead rank."""
+
+
+def _pid_and_node(_actor) -> tuple[int, str]:
+    import ray
+
+    return os.getpid(), ray.util.get_node_ip_address()
+
+
+def _death_reason(e: Exception) -> str:
+    """Ray's long ActorDiedError, cut to what happened to the process."""
+    import re
+
+    text = str(e)
+    detail = re.search(r"Worker exit detail: (.*?\.)(?: |$)", text)
+    return f"its process is gone (Ray: {detail.group(1)})" if detail else text.strip().splitlines()[0]
+
+
+def _learner_death(exc: BaseException, learners: LearnerGroup | None) -> str | None:
+    """Which learner ranks are gone, when the run fails with a Ray error (None: none is)."""
+    import ray
+
+    seen = exc
+    while seen is not None:  # the LearnerDied may sit under another error raised while unwinding
+        if isinstance(seen, LearnerDied):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    if learners is None or not isinstance(exc, ray.exceptions.RayError) or not learners.find_dead():
+        return None
+    return learners.describe_dead()
 
 
 def estimate_step_bytes(cfg: Config) -> int:

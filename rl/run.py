@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import sys
 import time
 from contextlib import contextmanager
 
@@ -81,6 +84,50 @@ def resume(cfg: Config, cluster) -> int:
     return int(state["step"])
 
 
+def newest_checkpoint(cfg: Config, runtime: Runtime) -> str | None:
+    """The newest complete checkpoint (one with trainer_state.json) this run can resume from:
+    the latest it saved, else the one it resumed from; None when there is none."""
+    from rl.learner.checkpoint import TRAINER_STATE, read_trainer_state
+
+    root = checkpoint_root(cfg, runtime)
+    found = [os.path.join(root, d) for d in (os.listdir(root) if os.path.isdir(root) else [])
+             if d.startswith("step_") and os.path.exists(os.path.join(root, d, TRAINER_STATE))]
+    if cfg.checkpoint.resume is not None:
+        found.append(os.path.abspath(os.path.expanduser(cfg.checkpoint.resume)))
+    return max(found, key=lambda p: int(read_trainer_state(p)["step"]), default=None)
+
+
+_PLAIN_VALUE = re.compile(r"[\w./:@+-]+")
+
+
+def resume_command(checkpoint: str, output_dir: str, argv: list[str] | None = None,
+                   cwd: str | None = None) -> str:
+    """The command line that continues this run from ``checkpoint``, for a shell: this
+    directory, this interpreter, the same script and overrides, with ``output_dir`` set to
+    this run's directory (metrics.jsonl appends, checkpoints continue beside the old ones)
+    and ``checkpoint.resume`` replacing any earlier one."""
+    argv = list(sys.argv if argv is None else argv)
+
+    def override(key: str, value: str) -> str:  # a Hydra value: quoted unless plain
+        if not _PLAIN_VALUE.fullmatch(value):
+            value = "'" + value.replace("'", "\\'") + "'"
+        return f"{key}={value}"
+
+    mine = re.compile(r"\+{0,2}(checkpoint\.resume|output_dir)=")
+    args = [a for a in argv[1:] if not mine.match(a)]
+    args += [override("output_dir", output_dir), override("checkpoint.resume", checkpoint)]
+    return f"cd {shlex.quote(cwd or os.getcwd())} && {shlex.join([sys.executable, argv[0], *args])}"
+
+
+def resume_hint(cfg: Config, runtime: Runtime) -> str:
+    """What to run after a learner died: the resume command, or why there is none."""
+    path = newest_checkpoint(cfg, runtime)
+    if path is None:
+        return (f"no complete checkpoint to resume from (checkpoint.every={cfg.checkpoint.every}; "
+                "0 saves none): the run must be started again")
+    return f"resume with: {resume_command(path, runtime.output_dir)}"
+
+
 @contextmanager
 def consuming(store, ref):
     """The step's data is removed when the block ends, also when it fails (a failure to
@@ -132,8 +179,8 @@ def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, flo
 
 
 def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str, int]:
-    """Write ``samples.jsonl`` (one line per generated batch: each sample's weight version
-    and outcome) and print the balance: generated = trained + dropped, by reason."""
+    """Append to ``samples.jsonl`` (one line per generated batch: each sample's weight version
+    and outcome) and print this run's balance: generated = trained + dropped, by reason."""
     import json
     from collections import Counter
 
@@ -141,7 +188,8 @@ def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str
         print("[run] samples: no ledger (the rollout manager did not answer)", flush=True)
         return {}
     counts = Counter(o or "unfinished" for entry in ledger for o in entry["outcome"])
-    with open(os.path.join(runtime.output_dir, "samples.jsonl"), "w") as f:
+    # appended: a resumed run (same output_dir) adds its batches after the dead run's
+    with open(os.path.join(runtime.output_dir, "samples.jsonl"), "a") as f:
         for entry in ledger:
             f.write(json.dumps(entry) + "\n")
     generated = sum(counts.values())

@@ -23,3 +23,9 @@ def combination_halves(data_paths) -> tuple[list[tuple[str, str]], list[tuple[st
         return first, list(first)
     second = [(label, w) for label in labels for w in WEIGHT_PATHS if (label, w) not in first]
     return first, second
+
+
+def finished_reward(response: str, label: str) -> float:
+    """1 for any answer that ends (unfinished ones score 0 before this is called): a random
+    model earns it now and then, and the tiny model learns to stop within a few dozen steps."""
+    return 1.0
