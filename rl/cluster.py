@@ -176,7 +176,9 @@ class Cluster:
 
         rc = self.cfg.rollout
         if self.engine_restarts + len(down) > rc.max_engine_restarts:
-            raise RuntimeError(f"{self._describe_dead(down)}; rollout.max_engine_restarts="
+            from rl.rollout.health import describe_dead
+
+            raise RuntimeError(f"{describe_dead(self.runtime.log_dir, down)}\nrollout.max_engine_restarts="
                                f"{rc.max_engine_restarts} replacements (this run made "
                                f"{self.engine_restarts}) are used up")
         t0 = time.perf_counter()
@@ -204,17 +206,6 @@ class Cluster:
               f"(replacement {self.engine_restarts} of at most {rc.max_engine_restarts}); "
               f"it takes requests once it serves the pushed weights", flush=True)
         return took
-
-    def _describe_dead(self, down: dict[int, str]) -> str:
-        """Each dead engine, why, and the last lines of its log."""
-        from transfer.process import log_tail
-
-        parts = []
-        for i, why in sorted(down.items()):
-            path = os.path.join(self.runtime.log_dir, f"engine_{i}.log")
-            tail = log_tail(path, 5) if os.path.exists(path) else f"(log at {path} on its node)"
-            parts.append(f"engine-{i} died ({why}); last lines of {path}:\n{tail}")
-        return "\n".join(parts)
 
     # -- stop --------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 60) -> None:

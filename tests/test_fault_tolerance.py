@@ -84,68 +84,30 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def ray_module(ray_local):
-    return ray_local
+def test_a_pool_with_every_engine_down_names_each():
+    """No engine left: the request fails naming every engine and how it ended (no retry
+    loop); without fault tolerance the first engine's failure is raised as it is."""
+    import asyncio
 
+    import aiohttp
 
-@pytest.mark.parametrize("transfer,weights", [("ray", "broadcast"), ("mooncake-packed", "p2p")])
-def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, transfer, weights,
-                                                                   prompts, tmp_path):
-    """Engine 1 killed with requests on its model, engine 0 killed inside a weight-update
-    session: each step still has every sample, once; each replacement serves the pushed
-    version and holds the learners' weights bit for bit, and then takes requests."""
-    cfg = compose(*BACKENDS[transfer], f"weights={weights}", "weights.bucket_bytes=64kb",
-                  "rollout.prompts_per_step=8", "rollout.max_new_tokens=40", *LENGTH_TASK, prompts,
-                  "logger=console", f"output_dir={tmp_path}")
-    cluster = Cluster(cfg, prepare_run(cfg)).start()
-    try:
-        cluster.push_weights(version=0)
-        pids = ray_module.get([e.pid.remote() for e in cluster.engines])
+    from rl.rollout.client import EngineClient, EngineError, EnginePool
+    from transfer.net import free_port
 
-        pending = cluster.rollout.generate_async(0)  # engine 1 dies mid-generation
-        killer = KillWhen(cluster.engine_urls[1], pids[1], "generating")
-        ref = cluster.rollout.wait(pending)
-        killer.sent()
-        assert ref.stats["rollout/retried_requests"] >= 1
-        assert_each_sample_on_one_rank(cluster, ref, expected=8 * 8)
-        assert cluster.learners.train(ref)["train/grad_norm"] > 0
-        cluster.store.remove(ref.partitions)
-        m = cluster.push_weights(version=1)  # the replacement joins here
-        assert m["rollout/engine_restarts"] == 1 and m["rollout/engine_restart_s"] > 0
-        assert not alive(pids[1])
-        assert_engines_hold(cluster, learner_state(cluster), 1)
+    async def one(pool):
+        async with aiohttp.ClientSession() as session:
+            return await pool.generate(session, {"input_ids": [1], "sampling_params": {}}, 5)
 
-        ref = cluster.rollout.generate(1)
-        assert ref.stats["rollout/retried_requests"] == 0
-        cluster.learners.train(ref)
-        cluster.store.remove(ref.partitions)
-        killer = KillWhen(cluster.engine_urls[0], pids[0], "syncing")  # engine 0 dies mid-push
-        m = cluster.push_weights(version=2)
-        killer.sent()
-        assert not alive(pids[0])
-        # p2p: engine 1 has a group of its own and is untouched; broadcast: engine 1 may be
-        # left waiting in the broadcast engine 0's death cut short, and is replaced too
-        assert m["rollout/engine_restarts"] == 2 if weights == "p2p" else m["rollout/engine_restarts"] in (2, 3)
-        assert_engines_hold(cluster, learner_state(cluster), 2)
-        new = ray_module.get([e.pid.remote() for e in cluster.engines])
-        assert set(new).isdisjoint(pids)
-
-        # both replacements are in service: each gets requests of the next step
-        watchers = [KillWhen(url, None, "generating", timeout_s=60) for url in cluster.engine_urls]
-        ref = cluster.rollout.generate(2)
-        for w in watchers:
-            w.sent()
-        assert ref.stats["rollout/retried_requests"] == 0
-        assert {int(v) for v in ref.weight_versions} == {2}
-        cluster.store.remove(ref.partitions)
-        if "admin_url" in cluster.runtime.transfer:  # Mooncake: no key left on the master
-            from transfer.data.mooncake_master import list_keys
-
-            assert list_keys(cluster.runtime.transfer["admin_url"]) == []
-    finally:
-        cluster.shutdown()
-    assert not [p for p in new if alive(p)]
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
+    pool = EnginePool([EngineClient(u, f"engine-{i}") for i, u in enumerate(urls)], retry=True)
+    with pytest.raises(EngineError, match="every engine is down") as e:
+        asyncio.run(one(pool))
+    assert all(f"engine-{i} ({u}): engine-{i}" in str(e.value) for i, u in enumerate(urls))
+    assert pool.state == ["down", "down"] and pool.retried == 2
+    plain = EnginePool([EngineClient(u, f"engine-{i}") for i, u in enumerate(urls)])
+    with pytest.raises(EngineError, match="/generate: no answer") as e:
+        asyncio.run(one(plain))
+    assert "every engine" not in str(e.value) and plain.state == ["live", "live"]
 
 
 def run(script: str, *overrides: str) -> subprocess.Popen:
@@ -274,3 +236,68 @@ def test_past_the_restart_bound_the_run_ends_naming_the_engine(tmp_path):
     assert "rollout.max_engine_restarts=0" in out and "engine-1 died" in out, out[-3000:]
     assert "last lines of" in out and "engine_1.log" in out
     assert_nothing_left(engine_ports(out))
+
+
+# In-process clusters last: the module's Ray would count as processes left behind above.
+@pytest.fixture(scope="module")
+def ray_module(ray_local):
+    return ray_local
+
+
+@pytest.mark.parametrize("transfer,weights", [("ray", "broadcast"), ("mooncake-packed", "p2p")])
+def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, transfer, weights,
+                                                                   prompts, tmp_path):
+    """Engine 1 killed with requests on its model, engine 0 killed inside a weight-update
+    session: each step still has every sample, once; each replacement serves the pushed
+    version and holds the learners' weights bit for bit, and then takes requests."""
+    cfg = compose(*BACKENDS[transfer], f"weights={weights}", "weights.bucket_bytes=64kb",
+                  "rollout.prompts_per_step=8", "rollout.max_new_tokens=40", *LENGTH_TASK, prompts,
+                  "logger=console", f"output_dir={tmp_path}")
+    cluster = Cluster(cfg, prepare_run(cfg)).start()
+    try:
+        cluster.push_weights(version=0)
+        pids = ray_module.get([e.pid.remote() for e in cluster.engines])
+
+        pending = cluster.rollout.generate_async(0)  # engine 1 dies mid-generation
+        killer = KillWhen(cluster.engine_urls[1], pids[1], "generating")
+        ref = cluster.rollout.wait(pending)
+        killer.sent()
+        assert ref.stats["rollout/retried_requests"] >= 1
+        assert_each_sample_on_one_rank(cluster, ref, expected=8 * 8)
+        assert cluster.learners.train(ref)["train/grad_norm"] > 0
+        cluster.store.remove(ref.partitions)
+        m = cluster.push_weights(version=1)  # the replacement joins here
+        assert m["rollout/engine_restarts"] == 1 and m["rollout/engine_restart_s"] > 0
+        assert not alive(pids[1])
+        assert_engines_hold(cluster, learner_state(cluster), 1)
+
+        ref = cluster.rollout.generate(1)
+        assert ref.stats["rollout/retried_requests"] == 0
+        cluster.learners.train(ref)
+        cluster.store.remove(ref.partitions)
+        killer = KillWhen(cluster.engine_urls[0], pids[0], "syncing")  # engine 0 dies mid-push
+        m = cluster.push_weights(version=2)
+        killer.sent()
+        assert not alive(pids[0])
+        # p2p: engine 1 has a group of its own and is untouched; broadcast: engine 1 may be
+        # left waiting in the broadcast engine 0's death cut short, and is replaced too
+        assert m["rollout/engine_restarts"] in ((2,) if weights == "p2p" else (2, 3))
+        assert_engines_hold(cluster, learner_state(cluster), 2)
+        new = ray_module.get([e.pid.remote() for e in cluster.engines])
+        assert set(new).isdisjoint(pids)
+
+        # both replacements are in service: each gets requests of the next step
+        watchers = [KillWhen(url, None, "generating", timeout_s=60) for url in cluster.engine_urls]
+        ref = cluster.rollout.generate(2)
+        for w in watchers:
+            w.sent()
+        assert ref.stats["rollout/retried_requests"] == 0
+        assert {int(v) for v in ref.weight_versions} == {2}
+        cluster.store.remove(ref.partitions)
+        if "admin_url" in cluster.runtime.transfer:  # Mooncake: no key left on the master
+            from transfer.data.mooncake_master import list_keys
+
+            assert list_keys(cluster.runtime.transfer["admin_url"]) == []
+    finally:
+        cluster.shutdown()
+    assert not [p for p in new if alive(p)]

@@ -134,6 +134,7 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
     try:
         client = EngineClient(proxy.url, "engine-0", timeout_s=60)
         assert client.health()
+        assert client.health_generate(timeout_s=60) is None  # the fault-tolerance probe
         # generation as the manager sends it, with the rollout config's sampling fields
         rc = HFRolloutConfig(top_p=0.9, top_k=5)
         groups = _generate(proxy.url, [[5, 6, 7], [8, 9]], 3, rc.sampling_params())
@@ -157,9 +158,10 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
 
     routes, classes = sgl.routes(), sgl.request_classes()
     called = {(m, p) for m, p, _ in proxy.seen}
-    for path in ("/generate", "/model_info", "/begin_weight_update", "/update_weights_from_distributed",
-                 "/end_weight_update", "/flush_cache", "/init_weights_update_group",
-                 "/destroy_weights_update_group", "/pause_generation", "/continue_generation"):
+    for path in ("/generate", "/health_generate", "/model_info", "/begin_weight_update",
+                 "/update_weights_from_distributed", "/end_weight_update", "/flush_cache",
+                 "/init_weights_update_group", "/destroy_weights_update_group", "/pause_generation",
+                 "/continue_generation"):
         assert any(p == path for _, p in called), f"the client never called {path}"
     for method, path, body in proxy.seen:
         route = routes.get(path)

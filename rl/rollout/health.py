@@ -131,3 +131,17 @@ class HealthMonitor:
         self._stop.set()
         self._thread.join(timeout=5)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def describe_dead(log_dir: str, down: dict[int, str], lines: int = 5) -> str:
+    """Each dead engine, why, and the last lines of its log (``engine_<i>.log``)."""
+    import os
+
+    from transfer.process import log_tail
+
+    parts = []
+    for i, why in sorted(down.items()):
+        path = os.path.join(log_dir, f"engine_{i}.log")
+        tail = log_tail(path, lines) if os.path.exists(path) else "(not on this node)"
+        parts.append(f"engine-{i} died ({why}); last lines of {path}:\n{tail}")
+    return "\n".join(parts)

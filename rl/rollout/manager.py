@@ -71,9 +71,17 @@ class RolloutManager:
             raise ValueError(f"{len(too_long)} prompt(s) of up to {max(too_long)} tokens exceed "
                              f"rollout.max_prompt_tokens={rc.max_prompt_tokens}; raise it")
         retried = self.pool.retried
-        answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
-                                              sampling, rc.request_timeout_s, label=f"step {step}",
-                                              stop=stop))
+        try:
+            answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
+                                                  sampling, rc.request_timeout_s, label=f"step {step}",
+                                                  stop=stop))
+        except EngineError:
+            if self.pool.retry and not self.pool.live():  # every engine down: say how each ended
+                from rl.rollout.health import describe_dead
+
+                raise RuntimeError("every engine is down:\n" + describe_dead(
+                    self.runtime.log_dir, self.pool.down_reason)) from None
+            raise
         gen_s = time.perf_counter() - t0
         with self._lock:
             batch = self._build_batch(prompts, prompt_ids, answers)
