@@ -216,10 +216,11 @@ def test_reward_rises_with_train_async_on_the_default_task(tmp_path):
 
 @pytest.mark.parametrize("data_path", ["mooncake-packed"], indirect=True)
 def test_engine_death_in_fully_async_fails_the_run_cleanly(tmp_path, data_path):
-    """An engine killed mid-run: the run fails naming it, and still leaves no key and no
-    process behind."""
+    """Without fault tolerance, an engine killed mid-run fails the run naming it, and still
+    leaves no key and no process behind (tests/test_fault_tolerance.py: with it)."""
     transfer, master = data_path
     with running("train_async.py", *transfer, "rollout.fully_async=true", "weights=p2p",
+                 "rollout.fault_tolerance=false",
                  "num_steps=10000", "logger=console", "rollout.prompts_per_step=8",
                  "rollout.request_timeout_s=30", f"output_dir={tmp_path}") as proc:
         out = read_until(proc, "step 2/")
