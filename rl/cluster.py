@@ -144,17 +144,17 @@ class Cluster:
         ok = False
         try:
             while True:
-                if down:
-                    restart_s += self._replace_engines(down)
                 try:
+                    if down:
+                        restart_s += self._replace_engines(down)
                     metrics = self.learners.push_weights(version=version)
                     ok = True
                     break
-                except Exception as e:
+                except EngineUpdateFailed as e:
                     down = self.rollout.check_engines(self._unanswered(e))
                     if not down:
                         raise  # not an engine's death: the run's error
-                    print(f"[fault] the push of version {version} failed ({_first_line(e)}); "
+                    print(f"[fault] the weight update to version {version} failed ({e}); "
                           f"replacing {', '.join(f'engine-{i}' for i in down)} and pushing again",
                           flush=True)
         finally:
@@ -162,10 +162,27 @@ class Cluster:
         return {**metrics, "rollout/engine_restarts": float(self.engine_restarts),
                 "rollout/engine_restart_s": restart_s}
 
-    def _unanswered(self, error: BaseException) -> dict[int, str]:
-        """The engines a failed push got no answer from (``UpdateFailed.unanswered``)."""
-        cause = getattr(error, "cause", None) or error
-        urls = [u.rstrip("/") for u in getattr(cause, "unanswered", [])]
+    def _engines_probe(self):
+        """Watchdog probe: the manager's word on whether the engines can still be replaced
+        (a death past ``rollout.max_engine_restarts`` ends the run within a second, not at
+        the next sync)."""
+        import ray
+
+        actor = self.rollout.actor
+
+        def probe() -> str | None:
+            try:
+                return ray.get(actor.engines_failed.remote(), timeout=5)
+            except ray.exceptions.GetTimeoutError:
+                return None  # busy: asked again in a second
+            except ray.exceptions.RayActorError as e:
+                return f"the rollout manager is gone ({_first_line(e)})"
+
+        return probe
+
+    def _unanswered(self, error: "EngineUpdateFailed") -> dict[int, str]:
+        """The engines a failed push got no answer from."""
+        urls = [u.rstrip("/") for u in error.unanswered]
         return {i: "no answer to its weight update after the push failed"
                 for i, u in enumerate(self.engine_urls) if u.rstrip("/") in urls}
 
@@ -198,9 +215,9 @@ class Cluster:
         clients = self.engine_clients()
         for i in new:
             clients[i].check_update_ranks()
-        self.learners.reconnect_engines(clients, sorted(new))
-        self.rollout.replace_engines({i: self.engine_urls[i] for i in new})
+        self.rollout.replace_engines({i: self.engine_urls[i] for i in new})  # joining, watched
         self.engine_restarts += len(new)
+        self.learners.reconnect_engines(clients, sorted(new))
         took = time.perf_counter() - t0
         print(f"[fault] {', '.join(clients[i].name for i in new)} started in {took:.1f}s "
               f"(replacement {self.engine_restarts} of at most {rc.max_engine_restarts}); "
@@ -274,7 +291,9 @@ class Cluster:
         if master:
             host, _, port = master.rpartition(":")
             dog.watch_port(f"the Mooncake store's master at {master}", host, int(port))
-        if not self.cfg.rollout.fault_tolerance:  # else the rollout manager watches them
+        if self.cfg.rollout.fault_tolerance:  # the rollout manager watches them, and says
+            dog.watch("the rollout engines", self._engines_probe())  # when they cannot be replaced
+        else:
             for i, url in enumerate(self.engine_urls):
                 dog.watch_url(f"engine-{i} ({url})", url)
         dog.watch("a Ray node", ray_nodes_probe())
@@ -438,10 +457,30 @@ class LearnerGroup:
         self._all("connect_engines", receivers)
 
     def push_weights(self, version: int) -> dict[str, float]:
-        return self._all("push_weights", version)[0]
+        return self._on_engines("push_weights", version)[0]
 
     def reconnect_engines(self, receivers: list, replaced: list[int]) -> None:
-        self._all("reconnect_engines", receivers, replaced)
+        self._on_engines("reconnect_engines", receivers, replaced)
+
+    def _on_engines(self, method: str, *args) -> list:
+        """``_all`` for calls that talk to the engines: when one fails on an engine, the
+        error names the engines that gave no answer on every rank (each p2p sender has its
+        own), as ``EngineUpdateFailed``."""
+        ray = self._ray
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError as e:
+            if self.find_dead():
+                raise LearnerDied(self.describe_dead()) from e
+            ray.wait(refs, num_returns=len(refs), timeout=60)  # every rank leaves a failed push
+            unanswered = []
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayError as err:
+                    unanswered += getattr(getattr(err, "cause", None), "unanswered", None) or []
+            raise EngineUpdateFailed(_first_line(e), unanswered) from e
 
     def full_state(self) -> dict:
         return self._all("full_state")[0]
@@ -460,6 +499,15 @@ class LearnerGroup:
 
 class LearnerDied(RuntimeError):
     """A learner rank's actor is gone; the message names each dead rank."""
+
+
+class EngineUpdateFailed(RuntimeError):
+    """A weight update or group formation failed on some learner rank; ``unanswered``: the
+    URLs of the engines that gave no answer (``transfer.weights.broadcast.UpdateFailed``)."""
+
+    def __init__(self, message: str, unanswered: list[str]) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered
 
 
 def _pid_and_node(_actor) -> tuple[int, str]:

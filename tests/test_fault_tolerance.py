@@ -47,7 +47,7 @@ class KillWhen(threading.Thread):
     ``/server_info`` shows ``what``: requests on the model, or a weight-update session open.
     Polled every few milliseconds from the test: the engine's real state, no hook in it."""
 
-    def __init__(self, url: str, pid: int | None, what: str, sig: int = signal.SIGKILL,
+    def __init__(self, url: str, pid: int, what: str, sig: int = signal.SIGKILL,
                  timeout_s: float = 120) -> None:
         super().__init__(daemon=True)
         self.url, self.pid, self.what, self.sig, self.timeout_s = url, pid, what, sig, timeout_s
@@ -64,8 +64,7 @@ class KillWhen(threading.Thread):
                 continue
             if (self.what == "generating" and state["running_requests"] > 0) or \
                     (self.what == "syncing" and state["weight_update_session"]):
-                if self.pid is not None:  # None: only note when it happened
-                    os.kill(self.pid, self.sig)
+                os.kill(self.pid, self.sig)
                 self.sent_at = time.monotonic()
                 return
             time.sleep(0.003)
@@ -140,7 +139,15 @@ def read_to(proc: subprocess.Popen, prefix: str) -> str:
 
 
 def finish(proc: subprocess.Popen, head: str, timeout_s: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout_s)
+    """The rest of the run's output once it ended (killed, and the test failed, past
+    ``timeout_s``)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        tail = (head + out)[-4000:]
+        raise AssertionError(f"the run did not end within {timeout_s:.0f}s:\n{tail}") from None
     return head + out
 
 
@@ -189,8 +196,10 @@ def test_fully_async_survives_an_engine_killed_during_a_sync(prompts, tmp_path):
     assert proc.returncode == 0, out[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(5))
-    assert rows[-1]["rollout/engine_restarts"] == 1
-    assert re.search(r"\[fault\] the push of version \d+ failed", out), out[-3000:]
+    # engine 1 may be left waiting in the broadcast engine 0's death cut short: replaced
+    # too, and meanwhile no engine is in service (the stream's requests wait for the sync)
+    assert rows[-1]["rollout/engine_restarts"] in (1, 2)
+    assert re.search(r"\[fault\] the weight update to version \d+ failed", out), out[-3000:]
     check_ledger(read_ledger(tmp_path), rows, out, max_staleness=1)
     assert_nothing_left(engine_ports(out) + re.findall(r"engine-0 \(http://[\d.]+:(\d+)\) started", out))
 
@@ -217,14 +226,15 @@ def test_a_hung_engine_is_found_by_the_health_check_and_replaced(prompts, tmp_pa
     assert sum(r["rollout/retried_requests"] for r in rows) >= 1
     assert rows[-1]["rollout/engine_restarts"] == 1
     assert not alive(pids[1])  # the replacement stopped it for good
-    assert_nothing_left(engine_ports(out))
+    assert_nothing_left(engine_ports(out) + re.findall(r"engine-1 \(http://[\d.]+:(\d+)\) started", out))
 
 
-def test_past_the_restart_bound_the_run_ends_naming_the_engine(tmp_path):
+def test_past_the_restart_bound_the_run_ends_naming_the_engine(master, tmp_path):
     """``rollout.max_engine_restarts=0``: the first engine death ends the run within about
-    10 s with an error naming the engine and its last log lines; nothing is left behind."""
-    proc = run("train.py", "num_steps=10000", "rollout.prompts_per_step=8", "rollout.max_engine_restarts=0",
-               f"output_dir={tmp_path}")
+    10 s with an error naming the engine and its last log lines; no key or process is left."""
+    master, transfer = master
+    proc = run("train.py", *transfer, "num_steps=10000", "rollout.prompts_per_step=8",
+               "rollout.max_engine_restarts=0", f"output_dir={tmp_path}")
     urls, pids, head = engines_of(proc)
     head += read_to(proc, "step 2/")
     os.kill(pids[1], signal.SIGKILL)
@@ -235,6 +245,7 @@ def test_past_the_restart_bound_the_run_ends_naming_the_engine(tmp_path):
     assert took < 12, f"{took:.1f}s from the kill to the end of the run"
     assert "rollout.max_engine_restarts=0" in out and "engine-1 died" in out, out[-3000:]
     assert "last lines of" in out and "engine_1.log" in out
+    assert master.keys() == []
     assert_nothing_left(engine_ports(out))
 
 
@@ -252,6 +263,7 @@ def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, t
     version and holds the learners' weights bit for bit, and then takes requests."""
     cfg = compose(*BACKENDS[transfer], f"weights={weights}", "weights.bucket_bytes=64kb",
                   "rollout.prompts_per_step=8", "rollout.max_new_tokens=40", *LENGTH_TASK, prompts,
+                  "rollout.health_check_interval_s=1000",  # no probe among the requests counted
                   "logger=console", f"output_dir={tmp_path}")
     cluster = Cluster(cfg, prepare_run(cfg)).start()
     try:
@@ -287,10 +299,9 @@ def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, t
         assert set(new).isdisjoint(pids)
 
         # both replacements are in service: each gets requests of the next step
-        watchers = [KillWhen(url, None, "generating", timeout_s=60) for url in cluster.engine_urls]
+        seen = [engine_state(url)["requests_seen"] for url in cluster.engine_urls]
         ref = cluster.rollout.generate(2)
-        for w in watchers:
-            w.sent()
+        assert all(engine_state(url)["requests_seen"] > n for url, n in zip(cluster.engine_urls, seen))
         assert ref.stats["rollout/retried_requests"] == 0
         assert {int(v) for v in ref.weight_versions} == {2}
         cluster.store.remove(ref.partitions)

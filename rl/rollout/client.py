@@ -239,13 +239,21 @@ class EnginePool:
         self.down_reason: dict[int, str] = {}
         self.retried = 0
         """Requests sent again because their engine died (a request of ``n`` samples is one)."""
+        self.holding = False
+        """A weight sync is replacing engines: with none live, requests wait for its end
+        instead of failing (a death during a sync can leave every engine out of service
+        for a moment)."""
 
     def live(self) -> list[int]:
         return [i for i, s in enumerate(self.state) if s == "live"]
 
+    def watched(self) -> list[int]:
+        """Engines whose death matters: those in service and replacements joining."""
+        return [i for i, s in enumerate(self.state) if s != "down"]
+
     def mark_down(self, i: int, reason: str) -> bool:
-        """Take engine ``i`` out of service; False when it already was."""
-        if self.state[i] != "live":
+        """Take engine ``i`` out of service (or out of joining); False when it already was."""
+        if self.state[i] == "down":
             return False
         self.state[i] = "down"
         self.down_reason[i] = reason
@@ -266,7 +274,9 @@ class EnginePool:
             self.state[i] = "live"
         return joined
 
-    def _pick(self) -> int:
+    async def _pick(self) -> int:
+        while not self.live() and self.holding:
+            await asyncio.sleep(self.POLL_S)
         live = self.live()
         if not live:
             raise EngineError("every engine is down: " + "; ".join(
@@ -276,7 +286,7 @@ class EnginePool:
 
     async def generate(self, session, payload: dict, timeout_s: float) -> list[dict]:
         while True:
-            i = self._pick()
+            i = await self._pick()
             self.inflight[i] += 1
             try:
                 if not self.retry:

@@ -13,7 +13,8 @@ Two checks per engine in service, on a thread of its own:
 A dead engine is taken out of the ``EnginePool`` (its requests in flight go to the others);
 the driver replaces it at the next weight sync (``rl.cluster.Cluster.push_weights``). While
 the engines are paused or receiving weights they do not generate, so ``/health_generate`` is
-not asked then (``suspend``) and an answer that spans a suspension does not count.
+not asked then (``suspend``), nor before the first sync has ended (start-up forms the
+weight-update groups), and an answer that spans a suspension does not count.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class HealthMonitor:
         self.first_wait_s = first_wait_s
         now = time.monotonic()
         self.in_service_since = [now] * len(pool.clients)
-        self._suspended = 0
+        self._suspended = 1  # until the first sync ends: start-up forms the weight groups
         self._epoch = 0  # bumped by every suspend: an answer started before one does not count
         self._lock = threading.Lock()
         self._checks: dict[int, Future] = {}
@@ -81,7 +82,7 @@ class HealthMonitor:
         """Probe every engine in service at once (its port: engines paused or receiving
         weights do not generate); take the dead ones out; return every engine out of
         service and why."""
-        for i in self.pool.live():
+        for i in self.pool.watched():
             why = refused(self.pool.clients[i].url)
             if why is not None:
                 self.pool.mark_down(i, why)
@@ -94,7 +95,7 @@ class HealthMonitor:
     def _run(self) -> None:
         next_check = time.monotonic() + self.interval_s
         while not self._stop.wait(PORT_PROBE_S):
-            for i in self.pool.live():
+            for i in self.pool.watched():
                 why = refused(self.pool.clients[i].url)
                 if why is not None:
                     self.pool.mark_down(i, why)

@@ -40,6 +40,8 @@ class RolloutManager:
         self.pool = EnginePool([self._client(i, u) for i, u in enumerate(engine_urls)],
                                retry=rc.fault_tolerance)
         self.monitor = None
+        self.restarts = 0  # engines replaced (rollout.max_engine_restarts bounds it)
+        self._synced = False
         if rc.fault_tolerance:
             from rl.rollout.health import HealthMonitor
 
@@ -192,7 +194,11 @@ class RolloutManager:
 
     # -- engine faults (rollout.fault_tolerance; driven by rl.cluster.Cluster.push_weights) ----
     def _client(self, i: int, url: str) -> EngineClient:
-        return EngineClient(url, f"engine-{i}", timeout_s=self.cfg.rollout.request_timeout_s)
+        rc = self.cfg.rollout
+        # control calls (pause, continue): with fault tolerance a hung engine is given the
+        # health check's bound, not a whole request's, before it counts as dead
+        control_s = rc.health_check_timeout_s if rc.fault_tolerance else rc.request_timeout_s
+        return EngineClient(url, f"engine-{i}", timeout_s=control_s)
 
     def _suspend_checks(self) -> None:
         if self.monitor is not None:
@@ -203,10 +209,27 @@ class RolloutManager:
             self.monitor.resume(joined)
 
     def begin_sync(self) -> dict[int, str]:
-        """A weight sync starts (no ``/health_generate`` during it): the engines out of
-        service, to replace before it, and why."""
+        """A weight sync starts (no ``/health_generate`` during it; requests wait for its
+        end when no engine is in service): the engines out of service, to replace before
+        it, and why."""
         self._suspend_checks()
+        self.pool.holding = True
         return dict(self.pool.down_reason)
+
+    def engines_failed(self) -> str | None:
+        """Why the run cannot go on (asked by the driver's watchdog once a second): more
+        engines dead than replacements left, or every engine dead outside a sync; else None."""
+        if self.monitor is None or self.pool.holding:
+            return None
+        rc, down = self.cfg.rollout, dict(self.pool.down_reason)
+        from rl.rollout.health import describe_dead
+
+        if len(down) > rc.max_engine_restarts - self.restarts:
+            return (f"{describe_dead(self.runtime.log_dir, down)}\nrollout.max_engine_restarts="
+                    f"{rc.max_engine_restarts} replacements (this run made {self.restarts}) are used up")
+        if down and not self.pool.watched():
+            return "every engine is down:\n" + describe_dead(self.runtime.log_dir, down)
+        return None
 
     def check_engines(self, stuck: dict[int, str]) -> dict[int, str]:
         """After a failed sync: take out the engines ``stuck`` in it (no answer to their
@@ -221,12 +244,17 @@ class RolloutManager:
         """Engines started again in place of dead ones; they take requests after ``end_sync``."""
         for i, url in urls.items():
             self.pool.replace(i, self._client(i, url))
+        self.restarts += len(urls)
 
     def end_sync(self, ok: bool = True) -> list[int]:
         """The sync is over; when it succeeded, replaced engines serve the current weights
         (the sender checked their version) and go back into service. Returns those."""
         joined = self.pool.join() if ok else []
+        self.pool.holding = False
         self._resume_checks(joined)
+        if ok and not self._synced:  # the start-up's suspension (HealthMonitor) ends too
+            self._synced = True
+            self._resume_checks()
         if joined:
             print(f"[rollout] {', '.join(self.pool.clients[i].name for i in joined)} back in service",
                   flush=True)

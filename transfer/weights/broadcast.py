@@ -62,6 +62,8 @@ class BroadcastSync:
         self.device = torch.device(device)
         self.receivers: list[WeightReceiver] = []
         self.group: SideGroup | None = None
+        self.broken = False
+        """A broadcast of the group failed: it is formed again before the next push."""
         self._pool: ThreadPoolExecutor | None = None
 
     # -- setup -------------------------------------------------------------------------
@@ -73,7 +75,7 @@ class BroadcastSync:
 
     def reconnect(self, receivers: Sequence[WeightReceiver], replaced: Sequence[int]) -> None:
         """Every engine is in the one group: rank 0 forms it again with all of them."""
-        if self.rank == 0 and replaced:
+        if self.rank == 0 and (replaced or self.broken):
             self._reopen_group(receivers, gone=replaced)
 
     def _reopen_group(self, receivers: Sequence[WeightReceiver], gone: Sequence[int]) -> None:
@@ -86,6 +88,7 @@ class BroadcastSync:
     def _open_group(self, receivers: Sequence[WeightReceiver]) -> None:
         """Host a side group with ``receivers`` (this process is rank 0 in it)."""
         self.receivers = list(receivers)
+        self.broken = False
         self._pool = ThreadPoolExecutor(max_workers=len(receivers), thread_name_prefix="wsync")
         port = free_port()
         world_size = 1 + sum(r.num_ranks for r in receivers)
@@ -181,13 +184,13 @@ class BroadcastSync:
         tensors = [t.to(self.device).contiguous() for _, t in bucket]
         try:
             self._broadcast(tensors, futures)
-        except EngineRefused:
-            raise
-        except Exception as e:  # a peer left the group: the engines' answers say why
-            # Engines still alive wait in this broadcast until the group's timeout; closing
-            # our side of the group ends their wait now, so that they answer (and can join
-            # a group formed again without the dead one).
-            self.group.destroy()
+        except Exception as e:  # refused by an engine, or a peer left the group
+            # The other engines may wait in this broadcast until the group's timeout (gloo and
+            # NCCL alike): those that do not answer soon count as unanswered and are replaced.
+            # The group is not destroyed here: with broadcasts of it still queued, that left
+            # the learners' own gloo all-gathers hanging at the next push (measured); it goes
+            # when the group is formed again, after the stuck engines were stopped.
+            self.broken = True
             self._raise_engine_errors(futures, cause=e, timeout_s=min(self.timeout_s, STUCK_S))
             raise
         self._raise_engine_errors(futures)
@@ -239,9 +242,6 @@ class BroadcastSync:
 
     def _leave_group(self, skip: Sequence[int]) -> None:
         if self.group is not None:
-            # Our side first: closing its connections ends a receive an engine may still be
-            # waiting in after a failed push (it holds the engine's weights until then).
-            # Destroyed already when a broadcast failed; the engines' sides are still there.
             self.group.destroy()
             self.group = None
             for r in (r for i, r in enumerate(self.receivers) if i not in skip):

@@ -61,6 +61,6 @@ class P2PSync(BroadcastSync):
         """Only the senders of replaced engines form their groups again (the plan depends on
         the engines' sizes, which a replacement keeps); the others keep theirs."""
         mine = self.plan[self.rank]
-        if any(i in mine for i in replaced):
+        if any(i in mine for i in replaced) or self.broken:
             self._reopen_group([receivers[i] for i in mine],
                                gone=[k for k, i in enumerate(mine) if i in replaced])

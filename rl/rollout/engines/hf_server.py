@@ -63,6 +63,8 @@ class BatchScheduler:
         self.paused_mode: str | None = None  # the pause mode while paused
         self._waiting = 0  # requests submitted and not yet on the model
         self._running = 0  # requests in the batch on the model now
+        self.batches_done = 0  # batches that ran to the end (a sign of life for /health_generate)
+        self.requests_seen = 0  # requests submitted (for tests: which engine got work)
         self.thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         self.thread.start()
 
@@ -71,6 +73,7 @@ class BatchScheduler:
         futures = [loop.create_future() for _ in reqs]
         with self._state:
             self._waiting += len(reqs)
+            self.requests_seen += len(reqs)
         for r, f in zip(reqs, futures):
             self.queue.put((r, f, loop))
         return await asyncio.gather(*futures)
@@ -136,6 +139,7 @@ class BatchScheduler:
             finally:
                 with self._state:
                     self._running = 0
+                    self.batches_done += 1
                     self._state.notify_all()
             for (_, fut, loop), res in zip(items, results):
                 loop.call_soon_threadsafe(_set_result, fut, res)
@@ -232,10 +236,15 @@ def _shapes(where, v):
     return as_list(where, v, lambda w, s: as_list(w, s, as_int))
 
 
+HEALTH_CHECK_TIMEOUT_S = 20.0
+"""SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` default: ``/health_generate`` answers 503 after it."""
+
+
 def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> web.Application:
     tokenizer = engine.tokenizer
     routes = web.RouteTableDef()
     flushing = asyncio.Lock()
+    pending_probes: set[asyncio.Future] = set()
 
     async def run_blocking(fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
@@ -253,8 +262,20 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
         return web.Response(text="")
 
     @routes.get("/health_generate")
-    async def health_generate(_):  # one greedy token, as SGLang's health check
-        await scheduler.submit([GenRequest(input_ids=[0], max_new_tokens=1, temperature=0.0)])
+    async def health_generate(_):
+        """SGLang's health check: one greedy token is queued, and the answer is 200 as soon as
+        the model finishes any batch (a busy engine passes at once), 503 after
+        ``HEALTH_CHECK_TIMEOUT_S`` without one."""
+        before = scheduler.batches_done
+        probe = asyncio.ensure_future(scheduler.submit(
+            [GenRequest(input_ids=[0], max_new_tokens=1, temperature=0.0)]))
+        pending_probes.add(probe)  # kept until it ends, whenever the answer goes out
+        probe.add_done_callback(pending_probes.discard)
+        deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT_S
+        while scheduler.batches_done == before and not probe.done():
+            if time.monotonic() >= deadline:
+                return web.Response(status=503)
+            await asyncio.sleep(0.05)
         return web.Response(text="")
 
     def info() -> dict:
@@ -280,7 +301,8 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
                 "engine": "hf-cpu", "internal_states": [{
                     "paused": scheduler.paused_mode is not None,
                     "weight_update_session": engine.session is not None,
-                    "running_requests": scheduler.running(), "waiting_requests": scheduler.waiting()}]}
+                    "running_requests": scheduler.running(), "waiting_requests": scheduler.waiting(),
+                    "requests_seen": scheduler.requests_seen}]}
 
     @routes.get("/server_info")
     @routes.get("/get_server_info")  # deprecated in SGLang; the same answer
