@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from rl.config import Config
+from rl.faults import (EngineFaults, EngineUpdateFailed, LearnerDied, death_reason, first_line,
+                       learner_death, pid_and_node)
 from rl.runtime import Runtime
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +40,7 @@ class Cluster:
         self._started_ray = False
         self._stop_services = None
         self.watchdog = None  # set by __enter__: the entry points' runs watch their dependencies
-        self.engine_restarts = 0
+        self.faults = EngineFaults(self)
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -92,7 +94,7 @@ class Cluster:
         self.learners.connect_engines(self.engine_clients())
         return self
 
-    def _engine_actor(self, i: int):
+    def engine_actor(self, i: int):
         """Engine ``i``'s actor (not yet started), on bundle ``i`` of the engines' placement."""
         import ray
 
@@ -110,7 +112,7 @@ class Cluster:
 
         c, rc = self.cfg.cluster, self.cfg.rollout
         self._engine_pg, self._env = pg, env
-        self.engines = [self._engine_actor(i) for i in range(c.num_engines)]
+        self.engines = [self.engine_actor(i) for i in range(c.num_engines)]
         print(f"[cluster] starting {c.num_engines} {rc.name} engine(s); logs in {self.runtime.log_dir}",
               flush=True)
         self.engine_urls = ray.get([e.start.remote() for e in self.engines],
@@ -132,97 +134,11 @@ class Cluster:
 
     # -- weights, and engine faults (rollout.fault_tolerance) ------------------------------
     def push_weights(self, version: int) -> dict[str, float]:
-        """The learners' weights to every engine, as ``version``. With fault tolerance,
-        engines found dead since the last sync are replaced first (a new engine on the same
-        bundle, joined to the weight path, given these weights, checked to serve ``version``
-        and only then put back into service); an engine that dies during the push is
-        replaced the same way and the push made again."""
+        """The learners' weights to every engine, as ``version``; with fault tolerance, dead
+        engines are replaced first, and on a death during the push (``rl.faults``)."""
         if not self.cfg.rollout.fault_tolerance:
             return self.learners.push_weights(version=version)
-        restart_s = 0.0
-        down = self.rollout.begin_sync()
-        ok = False
-        try:
-            while True:
-                try:
-                    if down:
-                        restart_s += self._replace_engines(down)
-                    metrics = self.learners.push_weights(version=version)
-                    ok = True
-                    break
-                except EngineUpdateFailed as e:
-                    down = self.rollout.check_engines(self._unanswered(e))
-                    if not down:
-                        raise  # not an engine's death: the run's error
-                    print(f"[fault] the weight update to version {version} failed ({e}); "
-                          f"replacing {', '.join(f'engine-{i}' for i in down)} and pushing again",
-                          flush=True)
-        finally:
-            self.rollout.end_sync(ok)
-        return {**metrics, "rollout/engine_restarts": float(self.engine_restarts),
-                "rollout/engine_restart_s": restart_s}
-
-    def _engines_probe(self):
-        """Watchdog probe: the manager's word on whether the engines can still be replaced
-        (a death past ``rollout.max_engine_restarts`` ends the run within a second, not at
-        the next sync)."""
-        import ray
-
-        actor = self.rollout.actor
-
-        def probe() -> str | None:
-            try:
-                return ray.get(actor.engines_failed.remote(), timeout=5)
-            except ray.exceptions.GetTimeoutError:
-                return None  # busy: asked again in a second
-            except ray.exceptions.RayActorError as e:
-                return f"the rollout manager is gone ({_first_line(e)})"
-
-        return probe
-
-    def _unanswered(self, error: "EngineUpdateFailed") -> dict[int, str]:
-        """The engines a failed push got no answer from."""
-        urls = [u.rstrip("/") for u in error.unanswered]
-        return {i: "no answer to its weight update after the push failed"
-                for i, u in enumerate(self.engine_urls) if u.rstrip("/") in urls}
-
-    def _replace_engines(self, down: dict[int, str]) -> float:
-        """Stop each dead engine for good and start a new one on its bundle; the learners
-        form the update groups the new engines belong to again. Returns the seconds taken."""
-        import ray
-
-        rc = self.cfg.rollout
-        if self.engine_restarts + len(down) > rc.max_engine_restarts:
-            from rl.rollout.health import describe_dead
-
-            raise RuntimeError(f"{describe_dead(self.runtime.log_dir, down)}\nrollout.max_engine_restarts="
-                               f"{rc.max_engine_restarts} replacements (this run made "
-                               f"{self.engine_restarts}) are used up")
-        t0 = time.perf_counter()
-        new = {}
-        for i, why in sorted(down.items()):
-            print(f"[fault] engine-{i} died ({why}); starting a new one on its bundle", flush=True)
-            old = self.engines[i]
-            try:
-                ray.get(old.stop.remote(1.0), timeout=15)  # a hung server is killed, not waited for
-            except Exception as e:  # its actor may be gone with it; the kill below is enough
-                print(f"[fault] stopping engine-{i}: {_first_line(e)}", flush=True)
-            ray.kill(old)  # its server goes with it (PR_SET_PDEATHSIG)
-            self.engines[i] = self._engine_actor(i)
-            new[i] = self.engines[i].start.remote()
-        for i, ref in new.items():
-            self.engine_urls[i] = ray.get(ref, timeout=rc.engine_start_timeout_s + 60)
-        clients = self.engine_clients()
-        for i in new:
-            clients[i].check_update_ranks()
-        self.rollout.replace_engines({i: self.engine_urls[i] for i in new})  # joining, watched
-        self.engine_restarts += len(new)
-        self.learners.reconnect_engines(clients, sorted(new))
-        took = time.perf_counter() - t0
-        print(f"[fault] {', '.join(clients[i].name for i in new)} started in {took:.1f}s "
-              f"(replacement {self.engine_restarts} of at most {rc.max_engine_restarts}); "
-              f"it takes requests once it serves the pushed weights", flush=True)
-        return took
+        return self.faults.push_weights(version)
 
     # -- stop --------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 60) -> None:
@@ -271,7 +187,7 @@ class Cluster:
                     raise
             # an actor error can arrive before the next probe: look once more
             failure = self.watchdog.check_now() if exc_type is not None else self.watchdog.failure
-        died = _learner_death(exc, self.learners) if failure is None and exc is not None else None
+        died = learner_death(exc, self.learners) if failure is None and exc is not None else None
         self.shutdown(timeout_s=10 if failure or died else 60)  # graceful closes may wait on the dead
         if died:
             from rl.run import resume_hint
@@ -292,7 +208,7 @@ class Cluster:
             host, _, port = master.rpartition(":")
             dog.watch_port(f"the Mooncake store's master at {master}", host, int(port))
         if self.cfg.rollout.fault_tolerance:  # the rollout manager watches them, and says
-            dog.watch("the rollout engines", self._engines_probe())  # when they cannot be replaced
+            dog.watch("the rollout engines", self.faults.probe())  # when they cannot be replaced
         else:
             for i, url in enumerate(self.engine_urls):
                 dog.watch_url(f"engine-{i} ({url})", url)
@@ -413,7 +329,7 @@ class LearnerGroup:
                        for r in range(n)]
         self._ray = ray
         # (pid, node IP) of each rank, to name a dead one
-        self.where = ray.get([a.__ray_call__.remote(_pid_and_node) for a in self.actors])
+        self.where = ray.get([a.__ray_call__.remote(pid_and_node) for a in self.actors])
         print("[cluster] learner ranks: " + ", ".join(f"{r} (pid {pid} on {node})"
                                                      for r, (pid, node) in enumerate(self.where)), flush=True)
         self.dead: dict[int, str] = {}
@@ -441,7 +357,7 @@ class LearnerGroup:
             try:
                 ray.get(ping, timeout=0)
             except ray.exceptions.ActorDiedError as e:
-                self.dead.setdefault(rank, _death_reason(e))
+                self.dead.setdefault(rank, death_reason(e))
             except ray.exceptions.GetTimeoutError:
                 pass
         return self.dead
@@ -480,7 +396,7 @@ class LearnerGroup:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayError as err:
                     unanswered += getattr(getattr(err, "cause", None), "unanswered", None) or []
-            raise EngineUpdateFailed(_first_line(e), unanswered) from e
+            raise EngineUpdateFailed(first_line(e), unanswered) from e
 
     def full_state(self) -> dict:
         return self._all("full_state")[0]
@@ -495,48 +411,6 @@ class LearnerGroup:
         # a rank found dead cannot answer; the others still close their store and sync parts
         alive = [a for r, a in enumerate(self.actors) if r not in self.dead]
         self._ray.get([a.close.remote() for a in alive], timeout=timeout_s)
-
-
-class LearnerDied(RuntimeError):
-    """A learner rank's actor is gone; the message names each dead rank."""
-
-
-class EngineUpdateFailed(RuntimeError):
-    """A weight update or group formation failed on some learner rank; ``unanswered``: the
-    URLs of the engines that gave no answer (``transfer.weights.broadcast.UpdateFailed``)."""
-
-    def __init__(self, message: str, unanswered: list[str]) -> None:
-        super().__init__(message)
-        self.unanswered = unanswered
-
-
-def _pid_and_node(_actor) -> tuple[int, str]:
-    import ray
-
-    return os.getpid(), ray.util.get_node_ip_address()
-
-
-def _death_reason(e: Exception) -> str:
-    """Ray's long ActorDiedError, cut to what happened to the process."""
-    import re
-
-    text = str(e)
-    detail = re.search(r"Worker exit detail: (.*?\.)(?: |$)", text)
-    return f"its process is gone (Ray: {detail.group(1)})" if detail else text.strip().splitlines()[0]
-
-
-def _learner_death(exc: BaseException, learners: LearnerGroup | None) -> str | None:
-    """Which learner ranks are gone, when the run fails with a Ray error (None: none is)."""
-    import ray
-
-    seen = exc
-    while seen is not None:  # the LearnerDied may sit under another error raised while unwinding
-        if isinstance(seen, LearnerDied):
-            return str(seen)
-        seen = seen.__cause__ or seen.__context__
-    if learners is None or not isinstance(exc, ray.exceptions.RayError) or not learners.find_dead():
-        return None
-    return learners.describe_dead()
 
 
 def estimate_step_bytes(cfg: Config) -> int:
@@ -588,10 +462,3 @@ def _wait_ready(pgs: list, timeout_s: float) -> None:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"Ray could not place bundles {pg.bundle_specs} within {timeout_s:.0f}s: "
                                f"cluster resources are {ray.cluster_resources()}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of an error's message (a Ray task error's: of the error it carries)."""
-    cause = getattr(e, "cause", None)
-    text = str(cause if isinstance(cause, BaseException) else e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
