@@ -305,8 +305,8 @@ class RolloutHandle:
     def check_engines(self, stuck: dict[int, str]) -> dict[int, str]:
         return self._ray.get(self.actor.check_engines.remote(stuck))
 
-    def replace_engines(self, urls: dict[int, str]) -> None:
-        self._ray.get(self.actor.replace_engines.remote(urls))
+    def replace_engines(self, urls: dict[int, str]) -> int:
+        return self._ray.get(self.actor.replace_engines.remote(urls))
 
     def end_sync(self, ok: bool) -> list[int]:
         return self._ray.get(self.actor.end_sync.remote(ok))
@@ -339,9 +339,12 @@ class LearnerGroup:
         self._all("connect_store")  # segments are mounted before the first put
 
     def _all(self, method: str, *args, timeout: float | None = None) -> list:
+        return self._gather([getattr(a, method).remote(*args) for a in self.actors], timeout)
+
+    def _gather(self, refs: list, timeout: float | None = None) -> list:
         # ray.get of a list raises as soon as any call fails, without waiting for the rest
         try:
-            return self._ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=timeout)
+            return self._ray.get(refs, timeout=timeout)
         except self._ray.exceptions.RayError as e:
             if self.find_dead():
                 raise LearnerDied(self.describe_dead()) from e
@@ -385,10 +388,8 @@ class LearnerGroup:
         ray = self._ray
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         try:
-            return ray.get(refs)
+            return self._gather(refs)  # LearnerDied when a rank is gone
         except ray.exceptions.RayError as e:
-            if self.find_dead():
-                raise LearnerDied(self.describe_dead()) from e
             ray.wait(refs, num_returns=len(refs), timeout=60)  # every rank leaves a failed push
             unanswered = []
             for ref in refs:

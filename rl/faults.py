@@ -19,7 +19,7 @@ class EngineFaults:
     def __init__(self, cluster) -> None:
         self.cluster = cluster
         self.restarts = 0
-        """Engines replaced so far (``rollout.max_engine_restarts`` bounds it)."""
+        """Engines replaced so far, as the rollout manager counts them (``replace_engines``)."""
 
     def push_weights(self, version: int) -> dict[str, float]:
         """The learners' weights to every engine, as ``version``. Engines found dead since
@@ -82,11 +82,10 @@ class EngineFaults:
         c = self.cluster
         rc = c.cfg.rollout
         if self.restarts + len(down) > rc.max_engine_restarts:
-            from rl.rollout.health import describe_dead
+            from rl.rollout.health import restarts_used_up
 
-            raise RuntimeError(f"{describe_dead(c.runtime.log_dir, down)}\nrollout.max_engine_restarts="
-                               f"{rc.max_engine_restarts} replacements (this run made "
-                               f"{self.restarts}) are used up")
+            raise RuntimeError(restarts_used_up(c.runtime.log_dir, down, rc.max_engine_restarts,
+                                                self.restarts))
         t0 = time.perf_counter()
         new = {}
         for i, why in sorted(down.items()):
@@ -104,8 +103,8 @@ class EngineFaults:
         clients = c.engine_clients()
         for i in new:
             clients[i].check_update_ranks()
-        c.rollout.replace_engines({i: c.engine_urls[i] for i in new})  # joining, watched
-        self.restarts += len(new)
+        # joining (watched, not yet taking requests); the manager counts the replacements
+        self.restarts = c.rollout.replace_engines({i: c.engine_urls[i] for i in new})
         c.learners.reconnect_engines(clients, sorted(new))
         took = time.perf_counter() - t0
         print(f"[fault] {', '.join(clients[i].name for i in new)} started in {took:.1f}s "

@@ -241,6 +241,7 @@ def test_past_the_restart_bound_the_run_ends_naming_the_engine(master, tmp_path)
     killed = time.monotonic()
     out = finish(proc, head, timeout_s=60)
     took = time.monotonic() - killed
+    print(f"restart bound: the run ended {took:.1f}s after the kill")
     assert proc.returncode != 0
     assert took < 12, f"{took:.1f}s from the kill to the end of the run"
     assert "rollout.max_engine_restarts=0" in out and "engine-1 died" in out, out[-3000:]
@@ -280,6 +281,7 @@ def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, t
         cluster.store.remove(ref.partitions)
         m = cluster.push_weights(version=1)  # the replacement joins here
         assert m["rollout/engine_restarts"] == 1 and m["rollout/engine_restart_s"] > 0
+        print(f"{transfer} x {weights}: engine 1 replaced in {m['rollout/engine_restart_s']:.1f}s")
         assert not alive(pids[1])
         assert_engines_hold(cluster, learner_state(cluster), 1)
 
@@ -290,6 +292,8 @@ def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, t
         killer = KillWhen(cluster.engine_urls[0], pids[0], "syncing")  # engine 0 dies mid-push
         m = cluster.push_weights(version=2)
         killer.sent()
+        print(f"{transfer} x {weights}: {m['rollout/engine_restarts'] - 1:.0f} engine(s) replaced "
+              f"during the push in {m['rollout/engine_restart_s']:.1f}s")
         assert not alive(pids[0])
         # p2p: engine 1 has a group of its own and is untouched; broadcast: engine 1 may be
         # left waiting in the broadcast engine 0's death cut short, and is replaced too

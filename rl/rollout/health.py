@@ -95,10 +95,7 @@ class HealthMonitor:
     def _run(self) -> None:
         next_check = time.monotonic() + self.interval_s
         while not self._stop.wait(PORT_PROBE_S):
-            for i in self.pool.watched():
-                why = refused(self.pool.clients[i].url)
-                if why is not None:
-                    self.pool.mark_down(i, why)
+            self.check_now()
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + self.interval_s
@@ -132,6 +129,12 @@ class HealthMonitor:
         self._stop.set()
         self._thread.join(timeout=5)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def restarts_used_up(log_dir: str, down: dict[int, str], limit: int, made: int) -> str:
+    """The error of a run whose dead engines outnumber the replacements it has left."""
+    return (f"{describe_dead(log_dir, down)}\nrollout.max_engine_restarts={limit} replacements "
+            f"(this run made {made}) are used up")
 
 
 def describe_dead(log_dir: str, down: dict[int, str], lines: int = 5) -> str:

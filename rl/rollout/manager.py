@@ -222,11 +222,10 @@ class RolloutManager:
         if self.monitor is None or self.pool.holding:
             return None
         rc, down = self.cfg.rollout, dict(self.pool.down_reason)
-        from rl.rollout.health import describe_dead
+        from rl.rollout.health import describe_dead, restarts_used_up
 
         if len(down) > rc.max_engine_restarts - self.restarts:
-            return (f"{describe_dead(self.runtime.log_dir, down)}\nrollout.max_engine_restarts="
-                    f"{rc.max_engine_restarts} replacements (this run made {self.restarts}) are used up")
+            return restarts_used_up(self.runtime.log_dir, down, rc.max_engine_restarts, self.restarts)
         if down and not self.pool.watched():
             return "every engine is down:\n" + describe_dead(self.runtime.log_dir, down)
         return None
@@ -240,11 +239,13 @@ class RolloutManager:
             self.pool.mark_down(i, why)
         return self.monitor.check_now()
 
-    def replace_engines(self, urls: dict[int, str]) -> None:
-        """Engines started again in place of dead ones; they take requests after ``end_sync``."""
+    def replace_engines(self, urls: dict[int, str]) -> int:
+        """Engines started again in place of dead ones; they take requests after ``end_sync``.
+        Returns the replacements the run has made."""
         for i, url in urls.items():
             self.pool.replace(i, self._client(i, url))
         self.restarts += len(urls)
+        return self.restarts
 
     def end_sync(self, ok: bool = True) -> list[int]:
         """The sync is over; when it succeeded, replaced engines serve the current weights
