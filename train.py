@@ -10,12 +10,16 @@ The rollout batch never passes through this process: ``generate`` returns a smal
 
 from __future__ import annotations
 
+import atexit
+import gc
+
 import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
 
 register_configs()
+atexit.register(gc.freeze)  # run last at exit: skip collecting every torch object (~0.8 s a run)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

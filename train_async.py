@@ -19,12 +19,16 @@ against the engines' log-probs.
 
 from __future__ import annotations
 
+import atexit
+import gc
+
 import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
 
 register_configs()
+atexit.register(gc.freeze)  # run last at exit: skip collecting every torch object (~0.8 s a run)
 
 
 def one_step_off_policy(cfg, cluster, logger, runtime) -> None:

@@ -52,6 +52,8 @@ class Cluster:
                "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING"),  # Mooncake logs INFO by default
                "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         if not ray.is_initialized():
+            if cfg.cluster.address is None:  # a one-node Ray of our own: check before starting it
+                cfg.transfer.check_environment(1, estimate_step_bytes(cfg), self.batches_held)
             ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
                      include_dashboard=False, runtime_env={"env_vars": env},
                      logging_level="WARNING")

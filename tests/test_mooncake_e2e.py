@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -105,6 +106,7 @@ def test_environment_errors_before_workers_start(args, env, fragment, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and fragment in out, out[-3000:]
     assert "engines up" not in out and seconds < 30
+    assert "[cluster]" not in out  # said before Ray started: a local one is started after these checks
     assert pids_with(str(tmp_path)) == []
 
 
@@ -117,10 +119,11 @@ def test_loopback_hostname_with_several_nodes_is_refused(tmp_path):
 
 def test_capacity_check_counts_every_batch_held_at_once(tmp_path):
     """One batch fits, three (fully async with rollout.max_inflight_batches=3) do not."""
-    cfg = compose("transfer=mooncake_tcp", "transfer.global_segment_size=16mb",
-                  "transfer.master_server_address=127.0.0.1:1")  # external: nothing is started
-    runtime = Runtime("t", str(tmp_path), "/x")
-    cfg.transfer.start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=1)
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # an external master's port: nothing is started
+        cfg = compose("transfer=mooncake_tcp", "transfer.global_segment_size=16mb",
+                      f"transfer.master_server_address=127.0.0.1:{listening.getsockname()[1]}")
+        runtime = Runtime("t", str(tmp_path), "/x")
+        cfg.transfer.start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=1)
     with pytest.raises(ValueError, match=r"3 rollout batches held at once .* need about 25165824 bytes"):
         cfg.transfer.start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=3)
 

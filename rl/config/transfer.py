@@ -34,6 +34,11 @@ class TransferConfig:
         ``runtime.transfer`` and a stop function."""
         return {}, None
 
+    def check_environment(self, num_nodes: int, bytes_per_step: int, batches_held: int = 1) -> None:
+        """Driver side, before Ray starts when the run starts its own one-node Ray
+        (``cluster.address`` unset): refuse an environment the backend cannot work in, so
+        that the error comes in seconds. Needs no Ray; ``start_services`` still runs after."""
+
     def build(self, runtime: "Runtime", *, contribute_segment: bool = False) -> "RolloutStore":
         """A store client for this process; ``contribute_segment``: it lends memory to the
         store (learner local rank 0 only)."""
@@ -107,6 +112,15 @@ class MooncakeTransferConfig(TransferConfig):
         if isinstance(self.init_kwargs, DictConfig):
             self.init_kwargs = OmegaConf.to_container(self.init_kwargs)
         self.init_kwargs = parse_init_kwargs(self.init_kwargs)
+
+    def check_environment(self, num_nodes: int, bytes_per_step: int, batches_held: int = 1) -> None:
+        from transfer.data import mooncake_bootstrap
+
+        mooncake_bootstrap.preflight(
+            num_nodes=num_nodes, bytes_per_step=bytes_per_step, batches_held=batches_held,
+            master_server_address=self.master_server_address, local_hostname=self.local_hostname,
+            protocol=self.protocol, device_name=self.device_name,
+            global_segment_size=self.global_segment_size, replica_num=self.replica_num)
 
     def start_services(self, runtime: "Runtime", num_nodes: int, bytes_per_step: int,
                        batches_held: int = 1) -> tuple[dict[str, str], Optional[Callable[[], None]]]:

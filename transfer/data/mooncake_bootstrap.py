@@ -61,13 +61,10 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
     """Check the environment and capacity, then find or start the master. Returns the
     resolved addresses (``master_server_address``, ``metadata_server``, and for a local
     master ``admin_url`` and ``master_pid``) and a stop function (None for an external one)."""
-    from transfer.data.mooncake_client import import_mooncake
-
-    import_mooncake()  # a missing or wrong wheel is reported here, before workers start
-    check_environment(num_nodes=num_nodes, local_hostname=local_hostname, protocol=protocol,
-                      device_name=device_name)
-    check_capacity(global_segment_size=global_segment_size, bytes_per_step=bytes_per_step,
-                   batches_held=batches_held, replica_num=replica_num)
+    preflight(num_nodes=num_nodes, bytes_per_step=bytes_per_step, batches_held=batches_held,
+              master_server_address=master_server_address, local_hostname=local_hostname,
+              protocol=protocol, device_name=device_name, global_segment_size=global_segment_size,
+              replica_num=replica_num)
     # transfer=mooncake_tcp follows MOONCAKE_PROTOCOL: say what this run actually uses
     device = resolve_device(device_name)
     print(f"[mooncake] protocol {resolve_protocol(protocol)}" + (f", device {device}" if device else ""),
@@ -91,6 +88,24 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
           f"log {m.log_path}", flush=True)
     return {"master_server_address": m.address, "metadata_server": m.metadata_server,
             "admin_url": m.admin_url, "master_pid": str(m.proc.pid)}, m.stop
+
+
+def preflight(*, num_nodes: int, bytes_per_step: int, batches_held: int,
+              master_server_address: Optional[str], local_hostname: Optional[str],
+              protocol: Optional[str], device_name: Optional[str], global_segment_size: int,
+              replica_num: int) -> None:
+    """Every check that starts nothing: the wheel imports, the environment, the capacity, and
+    an external master (the field or MOONCAKE_MASTER) answers."""
+    from transfer.data.mooncake_client import import_mooncake, require_master
+
+    import_mooncake()  # a missing or wrong wheel is reported here, before workers start
+    check_environment(num_nodes=num_nodes, local_hostname=local_hostname, protocol=protocol,
+                      device_name=device_name)
+    check_capacity(global_segment_size=global_segment_size, bytes_per_step=bytes_per_step,
+                   batches_held=batches_held, replica_num=replica_num)
+    master = master_server_address or os.environ.get("MOONCAKE_MASTER")
+    if master:
+        require_master(master)
 
 
 def check_environment(*, num_nodes: int, local_hostname: Optional[str], protocol: Optional[str],

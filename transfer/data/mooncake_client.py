@@ -104,6 +104,16 @@ def open_store(settings: MooncakeSettings) -> RolloutStore:
     raise ValueError(f"unknown Mooncake codec {settings.codec!r}; use packed or bundle")
 
 
+def require_master(address: str) -> None:
+    """Raise a ``StoreError`` saying what to start when no master answers at ``address``."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not port_open(host, int(port), timeout_s=3.0):
+        raise StoreError(
+            f"Mooncake master at {address!r} is unreachable: start one "
+            "(python -m transfer.data.mooncake_master --host <ip>) and export MOONCAKE_MASTER "
+            "on every node, or leave it unset on a single machine to start one automatically")
+
+
 class MooncakeClient:
     """One connected ``MooncakeDistributedStore`` and what every codec does with it."""
 
@@ -116,12 +126,7 @@ class MooncakeClient:
             raise ValueError(f"{type(self).__name__} implements codec {self.codec!r}, the settings ask "
                              f"for {settings.codec!r}: build stores with open_store(settings)")
         self.settings = settings
-        host, _, port = settings.master_server_address.rpartition(":")
-        if not port.isdigit() or not port_open(host, int(port), timeout_s=3.0):
-            raise StoreError(
-                f"Mooncake master at {settings.master_server_address!r} is unreachable: start one "
-                "(python -m transfer.data.mooncake_master --host <ip>) and export MOONCAKE_MASTER "
-                "on every node, or leave it unset on a single machine to start one automatically")
+        require_master(settings.master_server_address)
         store = import_mooncake()
         self.client = store.MooncakeDistributedStore()
         rc = self.client.setup(settings.setup_config())

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import queue
@@ -446,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"hf engine: {args.model_path} on {args.host}:{args.port}", flush=True)
     web.run_app(build_app(engine, scheduler, args.model_path), host=args.host, port=args.port,
                 print=None, access_log=None)
+    gc.freeze()  # exit without collecting every torch object one by one: a second less per stop
 
 
 if __name__ == "__main__":
