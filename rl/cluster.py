@@ -52,7 +52,7 @@ class Cluster:
                "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING"),  # Mooncake logs INFO by default
                "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         if not ray.is_initialized():
-            if cfg.cluster.address is None:  # a one-node Ray of our own: check before starting it
+            if _starts_local_ray(cfg.cluster.address):  # a one-node Ray of our own: check first
                 cfg.transfer.check_environment(1, estimate_step_bytes(cfg), self.batches_held)
             ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
                      include_dashboard=False, runtime_env={"env_vars": env},
@@ -414,6 +414,17 @@ class LearnerGroup:
         # a rank found dead cannot answer; the others still close their store and sync parts
         alive = [a for r, a in enumerate(self.actors) if r not in self.dead]
         self._ray.get([a.close.remote() for a in alive], timeout=timeout_s)
+
+
+def _starts_local_ray(address: str | None) -> bool:
+    """Whether ``ray.init(address=address)`` starts a new one-node Ray here, by Ray's own rule:
+    not when the address, ``RAY_ADDRESS`` or a ``ray start`` on this machine names a cluster."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        return canonicalize_bootstrap_address(address) is None
+    except Exception:  # an address Ray cannot read: ray.init says why
+        return False
 
 
 def estimate_step_bytes(cfg: Config) -> int:

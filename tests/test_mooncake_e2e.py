@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -102,11 +104,15 @@ def test_config_errors_before_anything_starts(args, fragment):
       "rollout.max_prompt_tokens=100000"], {}, "set transfer.global_segment_size="),
 ])
 def test_environment_errors_before_workers_start(args, env, fragment, tmp_path):
-    proc, seconds = _cli(*args, f"output_dir={tmp_path}", env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and fragment in out, out[-3000:]
-    assert "engines up" not in out and seconds < 30
-    assert "[cluster]" not in out  # said before Ray started: a local one is started after these checks
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live in it
+    try:
+        proc, seconds = _cli(*args, f"output_dir={tmp_path}", env={**env, "RAY_TMPDIR": ray_dir})
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and fragment in out, out[-3000:]
+        assert "engines up" not in out and seconds < 30
+        assert os.listdir(ray_dir) == []  # said before the run's own Ray started: no session
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert pids_with(str(tmp_path)) == []
 
 

@@ -36,7 +36,7 @@ class TransferConfig:
 
     def check_environment(self, num_nodes: int, bytes_per_step: int, batches_held: int = 1) -> None:
         """Driver side, before Ray starts when the run starts its own one-node Ray
-        (``cluster.address`` unset): refuse an environment the backend cannot work in, so
+        (``rl.cluster._starts_local_ray``): refuse an environment the backend cannot work in, so
         that the error comes in seconds. Needs no Ray; ``start_services`` still runs after."""
 
     def build(self, runtime: "Runtime", *, contribute_segment: bool = False) -> "RolloutStore":
