@@ -113,14 +113,17 @@ class MooncakeTransferConfig(TransferConfig):
             self.init_kwargs = OmegaConf.to_container(self.init_kwargs)
         self.init_kwargs = parse_init_kwargs(self.init_kwargs)
 
+    def _checked(self) -> dict[str, Any]:
+        """The fields ``mooncake_bootstrap.preflight`` checks (``start_services`` too)."""
+        return dict(master_server_address=self.master_server_address, local_hostname=self.local_hostname,
+                    protocol=self.protocol, device_name=self.device_name,
+                    global_segment_size=self.global_segment_size, replica_num=self.replica_num)
+
     def check_environment(self, num_nodes: int, bytes_per_step: int, batches_held: int = 1) -> None:
         from transfer.data import mooncake_bootstrap
 
-        mooncake_bootstrap.preflight(
-            num_nodes=num_nodes, bytes_per_step=bytes_per_step, batches_held=batches_held,
-            master_server_address=self.master_server_address, local_hostname=self.local_hostname,
-            protocol=self.protocol, device_name=self.device_name,
-            global_segment_size=self.global_segment_size, replica_num=self.replica_num)
+        mooncake_bootstrap.preflight(num_nodes=num_nodes, bytes_per_step=bytes_per_step,
+                                     batches_held=batches_held, **self._checked())
 
     def start_services(self, runtime: "Runtime", num_nodes: int, bytes_per_step: int,
                        batches_held: int = 1) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
@@ -128,11 +131,8 @@ class MooncakeTransferConfig(TransferConfig):
 
         return mooncake_bootstrap.start_services(
             log_dir=runtime.log_dir, num_nodes=num_nodes, bytes_per_step=bytes_per_step,
-            batches_held=batches_held, master_server_address=self.master_server_address,
-            metadata_server=self.metadata_server, local_hostname=self.local_hostname,
-            protocol=self.protocol, device_name=self.device_name,
-            global_segment_size=self.global_segment_size, replica_num=self.replica_num,
-            master_start_timeout_s=self.master_start_timeout_s)
+            batches_held=batches_held, metadata_server=self.metadata_server,
+            master_start_timeout_s=self.master_start_timeout_s, **self._checked())
 
     node_env: ClassVar[tuple[str, ...]] = ("MOONCAKE_LOCAL_HOSTNAME",)
 
