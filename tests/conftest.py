@@ -1,12 +1,15 @@
 """Shared fixtures: composed configs, the tiny checkpoint, a tiny chat checkpoint, one local
-Ray per test module."""
+Ray per test module (``ray_local``), one ``ray start --head`` that a module's runs share
+(``shared_ray``), two spawned processes that learners run in (``ranks``)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -18,6 +21,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+# Ray 2.60 reads its auth mode once per process: every Ray of the session (the test process's
+# own, the shared heads, the runs') leaves token auth off, as the two-node rehearsal does.
+# Runs that stand for `make train` (own_ray_env) get Ray's default back.
+_AUTH_OFF_HERE = "RAY_AUTH_MODE" not in os.environ
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # pytest started as a background job
@@ -81,11 +89,105 @@ def chat_model_path(tmp_path_factory) -> str:
     return build_chat_checkpoint(str(tmp_path_factory.mktemp("chat-llama")))
 
 
+RUN_ACTORS = ("ray::Learner", "ray::EngineProcess", "ray::RolloutManager")
+"""The command-line names of a run's Ray actors: none may outlive the run."""
+RAY_HEAD_DIR = "RL_TEST_RAY_HEAD_DIR"
+"""Set, to the head's temp dir, while a module's runs share ``ray_head()``."""
+
+
+@contextmanager
+def ray_head():
+    """A one-node Ray started as ``ray start --head``, as a multi-node cluster's head is, for
+    the runs of one test module: ``RAY_ADDRESS`` points each run at it, so a run connects
+    (0.4 s) and disconnects instead of starting and stopping a Ray of its own (about 4 s), and
+    its actors must go when its driver does, the way they must on a long-lived cluster.
+    ``ray start --block`` stops every process it started on SIGTERM."""
+    from transfer.net import free_port
+
+    temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # short: Ray's socket paths
+    port = free_port("127.0.0.1")
+    log_path = os.path.join(temp_dir, "ray_start.log")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
+                                 "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                                 "--disable-usage-stats", f"--temp-dir={temp_dir}"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    saved = {k: os.environ.get(k) for k in ("RAY_ADDRESS", RAY_HEAD_DIR)}
+    try:
+        deadline = time.monotonic() + 60
+        while "Ray runtime started" not in open(log_path).read():
+            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.1)
+        os.environ.update({"RAY_ADDRESS": f"127.0.0.1:{port}", RAY_HEAD_DIR: temp_dir})
+        yield os.environ["RAY_ADDRESS"]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.terminate()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while (left := pids_with(temp_dir) + pids_with("ray::")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"the test Ray left processes behind: {left}"
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """The module's runs (``python train.py`` ...) and its in-process Ray share one
+    ``ray_head()``."""
+    with ray_head() as address:
+        yield address
+
+
+def own_ray_env() -> dict[str, str]:
+    """``os.environ`` for a run that starts and stops a Ray of its own, as ``make train``
+    does, even inside a module whose runs share ``ray_head()``."""
+    drop = ("RAY_ADDRESS", RAY_HEAD_DIR) + (("RAY_AUTH_MODE",) if _AUTH_OFF_HERE else ())
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def ray_left() -> list[int]:
+    """Ray processes a finished run may not leave behind: outside a shared head, any; with
+    one, the run's own actors and any Ray other than the head."""
+    head = os.environ.get(RAY_HEAD_DIR)
+    if not head:
+        return pids_with("ray::")
+    actors = [p for name in RUN_ACTORS for p in pids_with(name)]
+    return actors + [p for frag in ("/raylet ", "/gcs_server ") for p in pids_with(frag)
+                     if not _cmdline_has(p, head)]
+
+
+def _cmdline_has(pid: int, fragment: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return fragment in f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """Two spawned processes that learners of the tests run in, one call after another
+    (tests/ranks.py)."""
+    from tests.ranks import SpawnedRanks
+
+    pool = SpawnedRanks(size=2)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="module")
 def ray_local():
+    """The test process's own Ray for the module; under ``shared_ray``, a connection to it."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+    shared = "RAY_ADDRESS" in os.environ
+    ray.init(num_cpus=None if shared else 2, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
                                        "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
@@ -111,11 +213,11 @@ def pids_with(fragment: str) -> list[int]:
 
 
 @contextmanager
-def running(script: str, *overrides: str):
+def running(script: str, *overrides: str, env: dict[str, str] | None = None):
     """A training run in the background (SIGINT acts as Ctrl-C); killed if the test leaves
     it running."""
     proc = subprocess.Popen([sys.executable, script, *overrides], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     try:
         yield proc
     finally:

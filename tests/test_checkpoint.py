@@ -9,7 +9,6 @@ import os
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 from rl.runtime import Runtime
 from tests.cluster_checks import bits
@@ -92,9 +91,8 @@ def assert_same_state(got: dict, want: dict, what: str) -> None:
     assert got["scheduler"] == want["scheduler"], what
 
 
-def test_checkpoint_restores_exactly_and_training_continues_bit_for_bit(tiny_path, tmp_path):
-    mp.start_processes(_worker, args=((free_port(), free_port()), tiny_path, str(tmp_path)),
-                       nprocs=WORLD, join=True, start_method="spawn")
+def test_checkpoint_restores_exactly_and_training_continues_bit_for_bit(ranks, tiny_path, tmp_path):
+    ranks.run(_worker, ((free_port(), free_port()), tiny_path, str(tmp_path)), nprocs=WORLD)
     s = torch.load(os.path.join(tmp_path, "states.pt"), weights_only=False)
     saved = s["saved"]
     # what is compared is all there: every parameter has AdamW's step, exp_avg, exp_avg_sq
@@ -115,14 +113,13 @@ def test_checkpoint_restores_exactly_and_training_continues_bit_for_bit(tiny_pat
     assert update and update == {k: v for k, v in s["restored_metrics"].items() if not k.startswith(TIMING)}
 
 
-def test_checkpoint_with_several_steps_per_rollout_continues_bit_for_bit(tiny_path, tmp_path):
+def test_checkpoint_with_several_steps_per_rollout_continues_bit_for_bit(ranks, tiny_path, tmp_path):
     """``algo.steps_per_rollout=2``: every rollout is shuffled (seeded by the run's seed and
     the rollout count, which the checkpoint must carry) into two mini-batches, each its own
     optimizer step against behaviour log-probs. The restored learners split and step as the
     original ones did, bit for bit."""
-    mp.start_processes(_worker, args=((free_port(), free_port()), tiny_path, str(tmp_path),
-                                      ("algo.steps_per_rollout=2",)),
-                       nprocs=WORLD, join=True, start_method="spawn")
+    ranks.run(_worker, ((free_port(), free_port()), tiny_path, str(tmp_path), ("algo.steps_per_rollout=2",)),
+              nprocs=WORLD)
     s = torch.load(os.path.join(tmp_path, "states.pt"), weights_only=False)
     saved = s["saved"]
     assert len(saved["model"]) > 0 and saved["optim"]["state"].keys() == saved["model"].keys()

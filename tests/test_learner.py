@@ -8,7 +8,6 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rl.runtime import Runtime
 from rl.types import RolloutBatch
@@ -50,25 +49,24 @@ def _grads_worker(rank, world, port, tiny_path, out_dir, pad_id):
     learner.close()
 
 
-def _run(world, tiny_path, out_dir, pad_id=0):
-    mp.start_processes(_grads_worker, args=(world, free_port(), tiny_path, out_dir, pad_id),
-                       nprocs=world, join=True, start_method="spawn")
+def _run(ranks, world, tiny_path, out_dir, pad_id=0):
+    ranks.run(_grads_worker, (world, free_port(), tiny_path, out_dir, pad_id), nprocs=world)
     return torch.load(os.path.join(out_dir, f"grads_w{world}_pad{pad_id}.pt"))
 
 
-def test_fsdp2_gradients_match_single_process(tiny_path, tmp_path):
-    ref = _run(1, tiny_path, str(tmp_path))
-    two = _run(2, tiny_path, str(tmp_path))
+def test_fsdp2_gradients_match_single_process(ranks, tiny_path, tmp_path):
+    ref = _run(ranks, 1, tiny_path, str(tmp_path))
+    two = _run(ranks, 2, tiny_path, str(tmp_path))
     assert ref.keys() == two.keys()
     assert any(g.abs().sum() > 0 for g in ref.values())
     for name in ref:
         torch.testing.assert_close(two[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_pad_ids_never_reach_the_gradient(tiny_path, tmp_path):
+def test_pad_ids_never_reach_the_gradient(ranks, tiny_path, tmp_path):
     """Padding with EOS instead of pad must change nothing: pads are masked and unattended."""
-    a = _run(1, tiny_path, str(tmp_path), pad_id=0)
-    b = _run(1, tiny_path, str(tmp_path), pad_id=1)
+    a = _run(ranks, 1, tiny_path, str(tmp_path), pad_id=0)
+    b = _run(ranks, 1, tiny_path, str(tmp_path), pad_id=1)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
 
@@ -109,9 +107,8 @@ def _async_worker(rank, world, port, tiny_path, out_dir):
     learner.close()
 
 
-def test_truncated_is_and_staleness_mask_shape_the_gradient(tiny_path, tmp_path):
-    mp.start_processes(_async_worker, args=(1, free_port(), tiny_path, str(tmp_path)),
-                       nprocs=1, join=True, start_method="spawn")
+def test_truncated_is_and_staleness_mask_shape_the_gradient(ranks, tiny_path, tmp_path):
+    ranks.run(_async_worker, (1, free_port(), tiny_path, str(tmp_path)))
     g = torch.load(os.path.join(tmp_path, "async_grads.pt"))
     plain = g["plain"]
     assert any(v.abs().sum() > 0 for v in plain.values())
@@ -283,13 +280,12 @@ def _ppo_by_hand(logp, old, batch, idx):
 
 
 @pytest.fixture(scope="module")
-def steps_out(tiny_path, tmp_path_factory) -> dict:
+def steps_out(ranks, tiny_path, tmp_path_factory) -> dict:
     """What ``_steps_worker`` recorded (one spawned learner for the tests below)."""
     import pickle
 
     out_dir = str(tmp_path_factory.mktemp("steps"))
-    mp.start_processes(_steps_worker, args=(1, free_port(), tiny_path, out_dir),
-                       nprocs=1, join=True, start_method="spawn")
+    ranks.run(_steps_worker, (1, free_port(), tiny_path, out_dir))
     with open(os.path.join(out_dir, "steps.pkl"), "rb") as f:
         return pickle.load(f)
 
@@ -435,9 +431,8 @@ def _drop_worker(rank, world, port, tiny_path, out_dir):
     learner.close()
 
 
-def test_dropping_flat_groups_equals_training_without_them(tiny_path, tmp_path):
-    mp.start_processes(_drop_worker, args=(1, free_port(), tiny_path, str(tmp_path)),
-                       nprocs=1, join=True, start_method="spawn")
+def test_dropping_flat_groups_equals_training_without_them(ranks, tiny_path, tmp_path):
+    ranks.run(_drop_worker, (1, free_port(), tiny_path, str(tmp_path)))
     g = torch.load(os.path.join(tmp_path, "drop_grads.pt"))
     for mode, grads in g.items():
         assert any(v.abs().sum() > 0 for v in grads["without"].values())
@@ -526,15 +521,14 @@ def _flat(grads: dict) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", list(PENALTY_CASES))
-def test_kl_penalty_and_entropy_bonus_gradients_match_plain_autograd(case, tiny_path, tmp_path):
+def test_kl_penalty_and_entropy_bonus_gradients_match_plain_autograd(case, ranks, tiny_path, tmp_path):
     """One step, token_mean, 1 rank: the learner's gradient after ``accumulate_grads`` is that
     of policy loss + kl_coef * token-mean KL estimate to the reference (the initial weights)
     - entropy_coef * token-mean entropy of the temperature-scaled distribution at loss
     positions, computed here with plain autograd; and the penalty's own part of it matches."""
     import pickle
 
-    mp.start_processes(_penalty_worker, args=(1, free_port(), tiny_path, str(tmp_path), case),
-                       nprocs=1, join=True, start_method="spawn")
+    ranks.run(_penalty_worker, (1, free_port(), tiny_path, str(tmp_path), case))
     with open(os.path.join(tmp_path, "penalty.pkl"), "rb") as f:
         out = pickle.load(f)
     kl_coef, entropy_coef = (0.1, 0.0) if case.startswith("kl") else (0.0, 0.01)
