@@ -1,5 +1,8 @@
 """``train.py`` as a user runs it: metrics, W&B offline run, checkpoint and resume, Ctrl-C,
-a chat checkpoint on both weight paths, and (slow) the reward going up on the default task."""
+a chat checkpoint on both weight paths, and (slow) the reward going up on the default task.
+
+The runs connect to the module's ``ray start --head`` (``shared_ray``), as on a multi-node
+cluster; Ctrl-C and the default job start a Ray of their own, as ``make train`` does."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, compose, pids_with, read_until, running
+from tests.conftest import REPO, compose, own_ray_env, pids_with, ray_left, read_until, running
 
 REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
             "transfer/put_ms", "transfer/get_ms", "transfer/bytes", "transfer/get_gbps",
@@ -25,10 +28,14 @@ REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/upda
             "rollout/zero_std_groups"]
 
 
-def train(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
+
+def train(*overrides: str, timeout: float = 600, own_ray: bool = False) -> subprocess.CompletedProcess:
+    """``python train.py overrides``, which must succeed; ``own_ray``: with a Ray of its own."""
+    env = {**(own_ray_env() if own_ray else os.environ), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
     proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout,
-                          env={**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"})
+                          text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -47,7 +54,7 @@ def engine_ports(stdout: str) -> list[str]:
 def assert_nothing_left(ports: list[str]) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        left = [p for port in ports for p in pids_with(f"--port {port}")] + pids_with("ray::")
+        left = [p for port in ports for p in pids_with(f"--port {port}")] + ray_left()
         if not left:
             return
         time.sleep(0.5)
@@ -101,8 +108,9 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
+    """Ctrl-C in a run with a Ray of its own (``make train``): its Ray goes too."""
     with running("train.py", "num_steps=10000", "logger=console", "weights=p2p",
-                 "rollout.prompts_per_step=8", f"output_dir={tmp_path}") as proc:
+                 "rollout.prompts_per_step=8", f"output_dir={tmp_path}", env=own_ray_env()) as proc:
         out = read_until(proc, "step 2/")
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=90)
@@ -138,7 +146,7 @@ def test_chat_checkpoint_gets_templated_prompts_on_both_weight_paths(chat_model_
 def test_reward_rises_on_the_default_task(tmp_path):
     """The default job, as `make train` runs it (console logger to keep the test offline)."""
     t0 = time.monotonic()
-    train("logger=console", f"output_dir={tmp_path}", timeout=900)
+    train("logger=console", f"output_dir={tmp_path}", timeout=900, own_ray=True)
     rewards = [r["rollout/reward_mean"] for r in read_metrics(tmp_path)]
     assert np.mean(rewards[:5]) < 0.1
     assert np.mean(rewards[-10:]) > 0.9, rewards[-20:]

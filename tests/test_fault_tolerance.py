@@ -30,6 +30,8 @@ LENGTH_TASK = ("task=jsonl", "task.reward._target_=tests.helpers.length_reward")
 FAST_CHECKS = ("rollout.health_check_interval_s=0.5", "rollout.health_check_timeout_s=3",
                "rollout.health_check_first_wait_s=0")
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
+
 
 @pytest.fixture
 def prompts(tmp_path) -> str:
@@ -250,9 +252,10 @@ def test_past_the_restart_bound_the_run_ends_naming_the_engine(master, tmp_path)
     assert_nothing_left(engine_ports(out))
 
 
-# In-process clusters last: the module's Ray would count as processes left behind above.
+# In-process clusters last: their actors, while they live, would count as processes left
+# behind by the runs above. The test process connects to the same head.
 @pytest.fixture(scope="module")
-def ray_module(ray_local):
+def ray_module(shared_ray, ray_local):
     return ray_local
 
 

@@ -13,11 +13,14 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests.conftest import REPO, read_until, running
 from tests.test_e2e import assert_nothing_left, engine_ports, read_metrics
 
 STEPS, PROMPTS, SAMPLES = 40, 8, 8
+
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
 
 
 def complete_checkpoints(root) -> list[int]:

@@ -9,6 +9,8 @@ import pytest
 
 from tests.test_e2e import read_metrics, train
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
+
 
 @pytest.mark.slow
 def test_four_steps_per_rollout_clip_and_still_learn(tmp_path):

@@ -16,12 +16,14 @@ import time
 import pytest
 
 from rl.runtime import Runtime
-from tests.conftest import REPO, compose, pids_with, read_until, running
+from tests.conftest import REPO, compose, own_ray_env, pids_with, read_until, running
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
 from transfer.data.mooncake_master import MooncakeMaster
 from transfer.data.mooncake_client import explain_import_error
 
 SMALL = ["rollout.prompts_per_step=8", "logger=console"]
+
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
 
 
 def test_train_py_with_an_external_master_leaves_no_key(tmp_path):
@@ -76,7 +78,7 @@ def _cli(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProce
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "train.py", *args, "logger=console"], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+                          env={**own_ray_env(), **(env or {})})  # errors before a Ray of its own
     return proc, time.monotonic() - t0
 
 
