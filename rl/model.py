@@ -14,9 +14,11 @@ import os
 import shutil
 import tempfile
 
-import torch
-
 from rl.config import ModelConfig, TinyModelConfig
+from rl.config.model import DTYPE_BYTES
+from rl.lazy import LazyModule
+
+torch = LazyModule("torch")  # the driver reads checkpoints' configs and builds no model
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :+=-*?.,!")
@@ -89,13 +91,16 @@ def _build_tiny_model(tiny: TinyModelConfig, tokenizer):
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     if os.path.exists(os.path.join(path, TINY_MARKER)):
         # AutoTokenizer would pick Qwen2's byte-level tokenizer class from config.json and
-        # replace our character pre-tokenizer; load the saved tokenizer.json as it is.
+        # replace our character pre-tokenizer; load the saved tokenizer.json as it is (and
+        # without AutoTokenizer's import of torch: the rollout manager has no other use for it).
+        from transformers import PreTrainedTokenizerFast
+
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     else:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -129,4 +134,4 @@ def largest_param_bytes(path: str, dtype: str) -> int:
         c = json.load(f)
     hidden = int(c.get("hidden_size", 0))
     biggest = max(int(c.get("vocab_size", 0)) * hidden, int(c.get("intermediate_size", 0)) * hidden)
-    return biggest * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    return biggest * DTYPE_BYTES[dtype]

@@ -87,3 +87,21 @@ def test_validating_a_config_does_not_import_torch():
     proc = subprocess.run([_python(), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "torch" not in proc.stdout.strip().splitlines()[-1], proc.stdout
+
+
+def test_the_driver_and_the_rollout_manager_load_no_torch(tmp_path):
+    """What the driver runs before and while it starts the actors (the run directory, the
+    actor classes) and what the rollout manager loads (the advantages, the tiny model's
+    tokenizer) leave torch to the learners and engines: a second and a half of CPU each."""
+    code = ("import sys; from tests.conftest import compose\n"
+            "from rl.run import prepare_run\n"
+            "from rl.cluster import Cluster\n"
+            "from rl.learner.learner import Learner\n"
+            "from rl.rollout.manager import RolloutManager\n"
+            "from rl.model import load_tokenizer\n"
+            f"runtime = prepare_run(compose('output_dir={tmp_path}'))\n"
+            "load_tokenizer(runtime.model_path)\n"
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([_python(), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout

@@ -8,6 +8,9 @@ from typing import Optional
 
 from rl.config.checks import positive
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The parameter dtypes ``model.dtype`` accepts, and the bytes of one element."""
+
 
 @dataclass(kw_only=True)
 class TinyModelConfig:
@@ -58,7 +61,7 @@ class ModelConfig:
                 raise ValueError(f"model.path={self.path!r} is not a Hugging Face checkpoint "
                                  "directory (no config.json there); pass a local path, models "
                                  "are never downloaded at run time")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
 

@@ -12,11 +12,6 @@ import json
 import os
 import shutil
 
-
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 TRAINER_STATE = "trainer_state.json"
 
 
@@ -25,6 +20,10 @@ def step_dir(root: str, step: int) -> str:
 
 
 def save_learner(path: str, model, optimizer, scheduler) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "learner"))
     if dist.get_rank() == 0:
@@ -35,6 +34,9 @@ def save_learner(path: str, model, optimizer, scheduler) -> None:
 
 
 def load_learner(path: str, model, optimizer, scheduler) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=os.path.join(path, "learner"))

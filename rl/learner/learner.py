@@ -12,15 +12,18 @@ import os
 import time
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from rl.algo import agg_count, agg_sum, entropy_bt, kl_penalty_bt, policy_loss_bt, token_logprobs
 from rl.config import Config
+from rl.lazy import LazyModule
 from rl.learner import checkpoint
 from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
+
+# The driver imports this module only to make the Ray actor: torch loads in the learner process.
+torch = LazyModule("torch")
+dist = LazyModule("torch.distributed")
 
 
 class Learner:
@@ -189,21 +192,21 @@ class Learner:
             "perf/old_logp_time": old_s,
         }
 
-    @torch.no_grad()
     def behaviour_logprobs(self, batch: RolloutBatch) -> list[np.ndarray]:
         """Per sample, the log-probs of its response tokens under the current weights (one
         no-grad forward over the partition's micro-batches)."""
         T, mbs, n = self.cfg.rollout.temperature, self.cfg.algo.micro_batch_size, len(batch)
         out: list[np.ndarray] = []
-        for start in range(0, n, mbs):
-            sub = batch.select(range(start, min(start + mbs, n)))
-            mb = self._pack(sub)
-            logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
-            logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T).cpu().numpy()
-            for i in range(len(sub)):
-                p, r = int(sub.prompt_len[i]), int(sub.response_len[i])
-                out.append(logp_bt[i, p - 1:p - 1 + r].copy())
-        return out
+        with torch.no_grad():
+            for start in range(0, n, mbs):
+                sub = batch.select(range(start, min(start + mbs, n)))
+                mb = self._pack(sub)
+                logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
+                logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T).cpu().numpy()
+                for i in range(len(sub)):
+                    p, r = int(sub.prompt_len[i]), int(sub.response_len[i])
+                    out.append(logp_bt[i, p - 1:p - 1 + r].copy())
+            return out
 
     def accumulate_grads(self, batch: RolloutBatch, old_logp: list[np.ndarray] | None = None,
                          count: float | None = None) -> dict[str, float]:
