@@ -6,12 +6,17 @@ Shapes are in the names: ``_b`` per sample, ``_bt`` per sample and token positio
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from rl.config import KL_ESTIMATORS, LOSS_AGGS  # listed there: validating a config needs no torch
 from rl.lazy import LazyModule
 
-torch = LazyModule("torch")  # the rollout manager imports this module for the advantages only
+if TYPE_CHECKING:
+    import torch
+else:  # the rollout manager imports this module for the advantages only
+    torch = LazyModule("torch")
 
 
 def grpo_advantages(rewards: np.ndarray, group_size: int, std_norm: bool = True,

@@ -13,12 +13,15 @@ import json
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
-from rl.config import ModelConfig, TinyModelConfig
-from rl.config.model import DTYPE_BYTES
+from rl.config import DTYPE_BYTES, ModelConfig, TinyModelConfig
 from rl.lazy import LazyModule
 
-torch = LazyModule("torch")  # the driver reads checkpoints' configs and builds no model
+if TYPE_CHECKING:
+    import torch
+else:  # the driver reads checkpoints' configs and builds no model
+    torch = LazyModule("torch")
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :+=-*?.,!")

@@ -30,7 +30,8 @@ class SpawnedRanks:
     """Up to ``size`` spawned processes; ``run(fn, args, nprocs)`` calls ``fn(rank, *args)`` in
     processes 0..nprocs-1 at once, as ``torch.multiprocessing.start_processes`` would, and
     raises with each failed rank's traceback. A failed or timed-out call ends every process
-    (a rank may hang in a collective its peer left); the next call spawns new ones."""
+    (a rank may hang in a collective its peer left); the next call spawns new ones. The
+    processes see ``os.environ`` as it was at the first call."""
 
     def __init__(self, size: int = 2, timeout_s: float = 300) -> None:
         self.size, self.timeout_s = size, timeout_s
@@ -48,7 +49,8 @@ class SpawnedRanks:
 
     def run(self, fn: Callable[..., None], args: tuple, nprocs: int = 1) -> None:
         assert 1 <= nprocs <= self.size, f"nprocs={nprocs}: this pool has {self.size} processes"
-        if not self._procs:
+        if not self._procs or not all(p.is_alive() for p in self._procs):  # none yet, or one died
+            self.close()
             self._start()
         for rank in range(nprocs):
             self._conns[rank].send((fn, rank, args))

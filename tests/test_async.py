@@ -29,6 +29,7 @@ from transfer.data.mooncake_master import MooncakeMaster
 COMBOS = combination_halves(BACKENDS)[1]  # tests/test_weights.py runs the other half
 
 pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
+
 ASYNC_METRICS = ["perf/wait_time_ratio", "async/staleness_mean", "async/staleness_max",
                  "async/dropped_samples", "async/queue_depth", "train/samples"]
 

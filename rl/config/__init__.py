@@ -31,7 +31,7 @@ from rl.config.checkpoint import CheckpointConfig
 from rl.config.checks import parse_size, positive
 from rl.config.cluster import ClusterConfig
 from rl.config.logger import LoggerConfig
-from rl.config.model import ModelConfig, TinyModelConfig
+from rl.config.model import DTYPE_BYTES, ModelConfig, TinyModelConfig
 from rl.config.rollout import HFRolloutConfig, RolloutConfig, SGLangRolloutConfig
 from rl.config.task import (AdditionTaskConfig, JsonlTaskConfig, RepeatLetterTaskConfig,
                             TaskConfig)
@@ -39,7 +39,7 @@ from rl.config.transfer import MooncakeTransferConfig, RayTransferConfig, Transf
 from rl.config.weights import BroadcastWeightsConfig, P2PWeightsConfig, WeightsConfig
 
 __all__ = [
-    "KL_ESTIMATORS", "LOSS_AGGS", "AdditionTaskConfig", "AlgoConfig", "BroadcastWeightsConfig",
+    "DTYPE_BYTES", "KL_ESTIMATORS", "LOSS_AGGS", "AdditionTaskConfig", "AlgoConfig", "BroadcastWeightsConfig",
     "CheckpointConfig", "ClusterConfig", "Config", "HFRolloutConfig", "JsonlTaskConfig",
     "LoggerConfig", "ModelConfig", "MooncakeTransferConfig", "P2PWeightsConfig",
     "RayTransferConfig", "RepeatLetterTaskConfig", "RolloutConfig", "SGLangRolloutConfig",

@@ -10,6 +10,7 @@ import datetime
 import math
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,9 +22,12 @@ from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
 
-# The driver imports this module only to make the Ray actor: torch loads in the learner process.
-torch = LazyModule("torch")
-dist = LazyModule("torch.distributed")
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+else:  # the driver imports this module only to make the Ray actor: torch loads in the learner
+    torch = LazyModule("torch")
+    dist = LazyModule("torch.distributed")
 
 
 class Learner:
@@ -206,7 +210,7 @@ class Learner:
                 for i in range(len(sub)):
                     p, r = int(sub.prompt_len[i]), int(sub.response_len[i])
                     out.append(logp_bt[i, p - 1:p - 1 + r].copy())
-            return out
+        return out
 
     def accumulate_grads(self, batch: RolloutBatch, old_logp: list[np.ndarray] | None = None,
                          count: float | None = None) -> dict[str, float]:
