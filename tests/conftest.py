@@ -168,17 +168,9 @@ def ray_left() -> list[int]:
     head = os.environ.get(RAY_HEAD_DIR)
     if not head:
         return pids_with("ray::")
+    heads = set(pids_with(head))
     actors = [p for name in RUN_ACTORS for p in pids_with(name)]
-    return actors + [p for frag in ("/raylet ", "/gcs_server ") for p in pids_with(frag)
-                     if not _cmdline_has(p, head)]
-
-
-def _cmdline_has(pid: int, fragment: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return fragment in f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
+    return actors + [p for frag in ("/raylet ", "/gcs_server ") for p in pids_with(frag) if p not in heads]
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,7 @@ def test_validating_a_config_does_not_import_torch():
 def test_the_driver_and_the_rollout_manager_load_no_torch(tiny_path, tmp_path):
     """What the driver runs before and while it starts the actors (the run directory, the
     actor classes) and what the rollout manager loads (the advantages, the tiny model's
-    tokenizer) leave torch to the learners and engines: a second and a half of CPU each.
+    tokenizer) leave torch to the learners and engines, which import it anyway.
     (``tiny_path``: the tiny checkpoint is built beforehand, which does need torch.)"""
     code = ("import sys; from tests.conftest import compose\n"
             "from rl.run import prepare_run\n"
