@@ -82,7 +82,10 @@ def fully_async(cfg, cluster, logger, runtime) -> None:
             if checkpoint_due(cfg, step + 1):  # queued batches are generated again on resume
                 maybe_save(cfg, runtime, cluster, step + 1, rollout_state=rollout.resume_position())
     finally:
-        write_sample_ledger(runtime, rollout.stop_stream())  # queued batches removed
+        # the ledger is written even when a death is found meanwhile: no interrupt cuts it
+        # short, and a known death bounds the wait as it bounds the shutdown's
+        died = cluster.stop_watching()
+        write_sample_ledger(runtime, rollout.stop_stream(timeout_s=10 if died else None))
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

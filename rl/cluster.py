@@ -179,14 +179,26 @@ class Cluster:
             self.shutdown()
             raise
 
+    def stop_watching(self) -> str | None:
+        """No watchdog interrupt from here on, so that a death found meanwhile cannot cut
+        short the cleanup that follows (``train_async.py``: the sample ledger); returns the
+        death found by one more probe, if any. It is still named when the cluster exits."""
+        if self.watchdog is None:
+            return None
+        self._stop_watchdog()
+        return self.watchdog.check_now()
+
+    def _stop_watchdog(self) -> None:
+        try:
+            self.watchdog.stop()
+        except KeyboardInterrupt:  # its own interrupt, landing here: the failure is recorded
+            if not self.watchdog.fired:
+                raise
+
     def __exit__(self, exc_type, exc, tb) -> None:
         failure = None
         if self.watchdog is not None:
-            try:
-                self.watchdog.stop()
-            except KeyboardInterrupt:  # its own interrupt, landing here: the failure is recorded
-                if not self.watchdog.fired:
-                    raise
+            self._stop_watchdog()
             # an actor error can arrive before the next probe: look once more
             failure = self.watchdog.check_now() if exc_type is not None else self.watchdog.failure
         died = learner_death(exc, self.learners) if failure is None and exc is not None else None
@@ -282,11 +294,11 @@ class RolloutHandle:
         """Data position for a checkpoint taken now (before the oldest batch not yet taken)."""
         return self._ray.get(self.actor.resume_position.remote())
 
-    def stop_stream(self) -> list[dict] | None:
+    def stop_stream(self, timeout_s: float | None = None) -> list[dict] | None:
         """Stop generating and remove what nobody took; returns the per-batch sample ledger,
         or None (reported, not raised: this also runs while another error unwinds)."""
         try:
-            return self._ray.get(self.actor.stop_stream.remote(), timeout=self.timeout_s)
+            return self._ray.get(self.actor.stop_stream.remote(), timeout=timeout_s or self.timeout_s)
         except Exception as e:
             print(f"[run] could not stop the rollout stream cleanly: {e}", flush=True)
             return None
