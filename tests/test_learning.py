@@ -16,9 +16,9 @@ pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `r
 def test_four_steps_per_rollout_clip_and_still_learn(tmp_path):
     """The default job with algo.steps_per_rollout=4 (docs/algo.md)."""
     t0 = time.monotonic()
-    # measured (docs/runs/default_steps4_metrics.jsonl): reward first above 0.9 at step 63,
-    # 0.969 over steps 70-79
-    train("logger=console", "algo.steps_per_rollout=4", "num_steps=80", f"output_dir={tmp_path}",
+    # Runs differ (engines batch by timing). Measured: 0.896-0.969 over steps 70-79 in five runs
+    # (one CI run failed at 80 steps), 0.981-0.990 over steps 90-99 in three (seeds 1, 1, 2).
+    train("logger=console", "algo.steps_per_rollout=4", "num_steps=100", f"output_dir={tmp_path}",
           timeout=900)
     rows = read_metrics(tmp_path)
     rewards = [r["rollout/reward_mean"] for r in rows]
