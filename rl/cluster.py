@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -150,12 +151,16 @@ class Cluster:
 
         if not ray.is_initialized():
             return
-        for closer in (self.learners, self.rollout, self.store):
-            if closer is not None:
-                try:
-                    closer.close(timeout_s) if closer is not self.store else closer.close()
-                except Exception as e:  # keep stopping the rest; say what failed
-                    print(f"[cluster] {type(closer).__name__}.close failed: {e}", flush=True)
+        # The closes run at once: a Mooncake client's close waits out threads that sleep 1 s
+        # between checks (1-2 s each), and the learners', manager's and driver's in a row
+        # added about 3 s to every Mooncake run.
+        closers = [c for c in (self.learners, self.rollout, self.store) if c is not None]
+        with ThreadPoolExecutor(max(1, len(closers)), thread_name_prefix="close") as pool:
+            closing = [(c, pool.submit(c.close) if c is self.store else pool.submit(c.close, timeout_s))
+                       for c in closers]
+        for closer, done in closing:
+            if done.exception() is not None:  # the rest were stopped anyway; say what failed
+                print(f"[cluster] {type(closer).__name__}.close failed: {done.exception()}", flush=True)
         try:
             ray.get([e.stop.remote() for e in self.engines], timeout=min(30, timeout_s))
         except Exception as e:
