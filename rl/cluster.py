@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -151,16 +150,27 @@ class Cluster:
 
         if not ray.is_initialized():
             return
-        # The closes run at once: a Mooncake client's close waits out threads that sleep 1 s
-        # between checks (1-2 s each), and the learners', manager's and driver's in a row
-        # added about 3 s to every Mooncake run.
-        closers = [c for c in (self.learners, self.rollout, self.store) if c is not None]
-        with ThreadPoolExecutor(max(1, len(closers)), thread_name_prefix="close") as pool:
-            closing = [(c, pool.submit(c.close) if c is self.store else pool.submit(c.close, timeout_s))
-                       for c in closers]
-        for closer, done in closing:
-            if done.exception() is not None:  # the rest were stopped anyway; say what failed
-                print(f"[cluster] {type(closer).__name__}.close failed: {done.exception()}", flush=True)
+        # The learners, the manager and the driver's store close at once: a Mooncake client's
+        # close waits out threads that sleep 1 s between checks (1-2 s each), and three in a
+        # row added about 3 s to every Mooncake run.
+        closing = []
+        for part in (self.learners, self.rollout):
+            if part is not None:
+                try:
+                    closing.append((type(part).__name__, part.start_close()))
+                except Exception as e:  # keep stopping the rest; say what failed
+                    print(f"[cluster] {type(part).__name__}.close failed: {e}", flush=True)
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception as e:
+                print(f"[cluster] {type(self.store).__name__}.close failed: {e}", flush=True)
+        deadline = time.monotonic() + timeout_s
+        for name, refs in closing:
+            try:
+                ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as e:
+                print(f"[cluster] {name}.close failed: {e}", flush=True)
         try:
             ray.get([e.stop.remote() for e in self.engines], timeout=min(30, timeout_s))
         except Exception as e:
@@ -314,8 +324,9 @@ class RolloutHandle:
     def load_state_dict(self, state: dict) -> None:
         self._ray.get(self.actor.load_state_dict.remote(state))
 
-    def close(self, timeout_s: float = 60) -> None:
-        self._ray.get(self.actor.close.remote(), timeout=timeout_s)
+    def start_close(self) -> list:
+        """Ask the manager to close; returns the ref to wait on (``Cluster.shutdown``)."""
+        return [self.actor.close.remote()]
 
     # engine faults: see Cluster.push_weights
     def begin_sync(self) -> dict[int, str]:
@@ -427,10 +438,10 @@ class LearnerGroup:
     def load(self, path: str) -> None:
         self._all("load", path)
 
-    def close(self, timeout_s: float = 60) -> None:
-        # a rank found dead cannot answer; the others still close their store and sync parts
-        alive = [a for r, a in enumerate(self.actors) if r not in self.dead]
-        self._ray.get([a.close.remote() for a in alive], timeout=timeout_s)
+    def start_close(self) -> list:
+        """Ask each rank to close; returns the refs to wait on (``Cluster.shutdown``). A rank
+        found dead cannot answer; the others still close their store and sync parts."""
+        return [a.close.remote() for r, a in enumerate(self.actors) if r not in self.dead]
 
 
 def _starts_local_ray(address: str | None) -> bool:
