@@ -153,28 +153,15 @@ class Cluster:
         # The learners, the manager and the driver's store close at once: a Mooncake client's
         # close waits out threads that sleep 1 s between checks (1-2 s each), and three in a
         # row added about 3 s to every Mooncake run.
-        closing = []
-        for part in (self.learners, self.rollout):
-            if part is not None:
-                try:
-                    closing.append((type(part).__name__, part.start_close()))
-                except Exception as e:  # keep stopping the rest; say what failed
-                    print(f"[cluster] {type(part).__name__}.close failed: {e}", flush=True)
+        closing = [(type(p).__name__, p.start_close()) for p in (self.learners, self.rollout)
+                   if p is not None]
         if self.store is not None:
-            try:
-                self.store.close()
-            except Exception as e:
-                print(f"[cluster] {type(self.store).__name__}.close failed: {e}", flush=True)
+            _reported(f"{type(self.store).__name__}.close", self.store.close)
         deadline = time.monotonic() + timeout_s
         for name, refs in closing:
-            try:
-                ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
-            except Exception as e:
-                print(f"[cluster] {name}.close failed: {e}", flush=True)
-        try:
-            ray.get([e.stop.remote() for e in self.engines], timeout=min(30, timeout_s))
-        except Exception as e:
-            print(f"[cluster] stopping engines: {e}", flush=True)
+            _reported(f"{name}.close", ray.get, refs, timeout=max(0.0, deadline - time.monotonic()))
+        _reported("stopping the engines", ray.get, [e.stop.remote() for e in self.engines],
+                  timeout=min(30, timeout_s))
         for a in self.engines + (self.learners.actors if self.learners else []) + \
                 ([self.rollout.actor] if self.rollout else []):
             ray.kill(a)  # engine servers die with their actor (PR_SET_PDEATHSIG)
@@ -442,6 +429,15 @@ class LearnerGroup:
         """Ask each rank to close; returns the refs to wait on (``Cluster.shutdown``). A rank
         found dead cannot answer; the others still close their store and sync parts."""
         return [a.close.remote() for r, a in enumerate(self.actors) if r not in self.dead]
+
+
+def _reported(what: str, fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)``, printing what failed instead of raising: a shutdown keeps
+    stopping the rest."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        print(f"[cluster] {what} failed: {e}", flush=True)
 
 
 def _starts_local_ray(address: str | None) -> bool:
