@@ -84,11 +84,15 @@ class Cluster:
             self._pgs = [engine_pg, learner_pg]
         _wait_ready(self._pgs, timeout_s=60)
         self.store = cfg.transfer.build(self.runtime)
-        self._start_engines(engine_pg, env)
+        engines_started = self._launch_engines(engine_pg, env)
+        # the learner ranks set up while the engines start: both load the model (on GPUs, each
+        # takes tens of seconds), and neither needs the other until the weight plan below
+        self.learners = LearnerGroup(cfg, self.runtime, learner_pg)
+        self._wait_for_engines(engines_started)
         # the manager on the rollout side (it writes each batch to the store from there), in
         # the first engine's bundle: Ray would otherwise place it on any node
         self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls, _in_bundle(engine_pg, 0))
-        self.learners = LearnerGroup(cfg, self.runtime, learner_pg)
+        self.learners.wait_set_up()
         plan = cfg.weights.describe_plan(c.num_learners, self.engine_clients())
         print(f"[weights] {cfg.weights.name} plan: {plan}", flush=True)
         with open(os.path.join(self.runtime.output_dir, "weights_plan.txt"), "w") as f:
@@ -109,16 +113,19 @@ class Cluster:
                 i, self.cfg.rollout, self.runtime.model_path, self.cfg.seed, self.runtime.log_dir,
                 None, self._env, c.gpus_per_engine, self.cfg.model.dtype)
 
-    def _start_engines(self, pg, env: dict[str, str]) -> None:
-        import ray
-
-        c, rc = self.cfg.cluster, self.cfg.rollout
+    def _launch_engines(self, pg, env: dict[str, str]) -> list:
+        """Start every engine; returns the refs of their URLs (``_wait_for_engines``)."""
+        c = self.cfg.cluster
         self._engine_pg, self._env = pg, env
         self.engines = [self.engine_actor(i) for i in range(c.num_engines)]
-        print(f"[cluster] starting {c.num_engines} {rc.name} engine(s); logs in {self.runtime.log_dir}",
-              flush=True)
-        self.engine_urls = ray.get([e.start.remote() for e in self.engines],
-                                   timeout=rc.engine_start_timeout_s + 60)
+        print(f"[cluster] starting {c.num_engines} {self.cfg.rollout.name} engine(s); "
+              f"logs in {self.runtime.log_dir}", flush=True)
+        return [e.start.remote() for e in self.engines]
+
+    def _wait_for_engines(self, started: list) -> None:
+        import ray
+
+        self.engine_urls = ray.get(started, timeout=self.cfg.rollout.engine_start_timeout_s + 60)
         print(f"[cluster] engines up: {', '.join(self.engine_urls)}", flush=True)
         for client in self.engine_clients():  # before any learner plans a weight-update group
             client.check_update_ranks()
@@ -345,15 +352,22 @@ class LearnerGroup:
                                    scheduling_strategy=_in_bundle(pg, r)).remote(cfg, runtime, r, n)
                        for r in range(n)]
         self._ray = ray
-        # (pid, node IP) of each rank, to name a dead one
-        self.where = ray.get([a.__ray_call__.remote(pid_and_node) for a in self.actors])
-        print("[cluster] learner ranks: " + ", ".join(f"{r} (pid {pid} on {node})"
-                                                     for r, (pid, node) in enumerate(self.where)), flush=True)
         self.dead: dict[int, str] = {}
         """Ranks found dead, with why (filled when a call fails)."""
-        addr, port = ray.get(self.actors[0].address.remote())
-        self._all("setup", addr, port)
-        self._all("connect_store")  # segments are mounted before the first put
+        # Each rank sets up (process group, model, store client) from here on, while the
+        # caller goes on; ``wait_set_up`` waits. A rank runs its calls in order, and Ray
+        # hands every rank rank 0's rendezvous address once rank 0 has answered.
+        self._where = [a.__ray_call__.remote(pid_and_node) for a in self.actors]
+        rendezvous = self.actors[0].address.remote()
+        self._setting_up = [a.__ray_call__.remote(_set_up, rendezvous) for a in self.actors]
+        self.where: list[tuple[int, str]] = [(0, "?")] * n
+        """(pid, node IP) of each rank, to name a dead one (known after ``wait_set_up``)."""
+
+    def wait_set_up(self) -> None:
+        self.where = self._ray.get(self._where)
+        print("[cluster] learner ranks: " + ", ".join(f"{r} (pid {pid} on {node})"
+                                                     for r, (pid, node) in enumerate(self.where)), flush=True)
+        self._gather(self._setting_up)
 
     def _all(self, method: str, *args, timeout: float | None = None) -> list:
         return self._gather([getattr(a, method).remote(*args) for a in self.actors], timeout)
@@ -426,9 +440,30 @@ class LearnerGroup:
         self._all("load", path)
 
     def start_close(self) -> list:
-        """Ask each rank to close; returns the refs to wait on (``Cluster.shutdown``). A rank
-        found dead cannot answer; the others still close their store and sync parts."""
-        return [a.close.remote() for r, a in enumerate(self.actors) if r not in self.dead]
+        """Ask each set-up rank to close its store and sync parts; returns the refs to wait on
+        (``Cluster.shutdown``, which then kills every rank). Not asked: a rank found dead,
+        which cannot answer, and one still setting up or whose setup failed (the run stopped
+        while it started, e.g. an engine failed): it would answer only once set up, and has
+        nothing open that the kill does not end."""
+        ray = self._ray
+        done, _ = ray.wait(self._setting_up, num_returns=len(self._setting_up), timeout=0)
+        refs = []
+        for rank, (actor, setup) in enumerate(zip(self.actors, self._setting_up)):
+            if rank in self.dead or setup not in done:
+                continue
+            try:
+                ray.get(setup, timeout=0)
+            except ray.exceptions.RayError:
+                continue
+            refs.append(actor.close.remote())
+        return refs
+
+
+def _set_up(learner, rendezvous: tuple[str, int]) -> None:
+    """One rank's setup, run in its actor (``LearnerGroup``); the store client is open before
+    the first put."""
+    learner.setup(*rendezvous)
+    learner.connect_store()
 
 
 def _reported(what: str, fn, *args, **kwargs) -> None:

@@ -107,6 +107,21 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
     assert state["rollout"]["next_sample_id"] == 4 * 8 * 8
 
 
+def test_an_engine_that_fails_to_start_stops_the_run_and_the_learners_setting_up(tmp_path):
+    """The learner ranks set up while the engines start (rl/cluster.py): when an engine fails
+    to start, the run fails naming it with its log, and the ranks, set up or not, go too."""
+    proc = subprocess.run([sys.executable, "train.py", "num_steps=3", "rollout.prompts_per_step=8",
+                           "logger=console", "rollout.device=cuda:99",  # no such device anywhere
+                           f"output_dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    failed = r"engine-\d exited with code \d+ while starting; last lines of .*engine_\d\.log"
+    assert re.search(failed, out), out[-3000:]
+    assert "[weights]" not in out  # the run stopped before planning any weight update
+    assert_nothing_left([])  # no rank on the shared head
+
+
 def test_ctrl_c_stops_every_process(tmp_path):
     """Ctrl-C in a run with a Ray of its own (``make train``): its Ray goes too."""
     with running("train.py", "num_steps=10000", "logger=console", "weights=p2p",

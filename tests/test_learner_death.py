@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, read_until, running
+from tests.conftest import REPO, compose, read_until, running
 from tests.test_e2e import assert_nothing_left, engine_ports, read_metrics
 
 STEPS, PROMPTS, SAMPLES = 40, 8, 8
@@ -90,3 +90,31 @@ def test_killed_learner_is_named_and_the_printed_command_resumes_the_run(tmp_pat
     print(f"learner death: reward {start:.2f} at the start, {before:.2f} before step {newest}, "
           f"{after:.2f} after the resume; killed run stopped in {stopped_s:.1f}s; "
           f"test {time.monotonic() - t0:.0f}s")
+
+
+def test_ranks_not_set_up_are_killed_without_being_asked_to_close(shared_ray, ray_local, tmp_path):
+    """``LearnerGroup`` sets its ranks up in the background while the engines start
+    (rl/cluster.py). A run stopped before a rank is set up, or whose setup failed, does not ask
+    it to close: it would answer only once set up, or fail on what it never opened; the
+    shutdown kills it."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rl.cluster import LearnerGroup
+    from rl.runtime import Runtime
+
+    cfg = compose("logger=console", f"output_dir={tmp_path}")
+    pg = placement_group([{"CPU": 0.01}] * cfg.cluster.num_learners)
+    ray_local.get(pg.ready())
+    empty = tmp_path / "not-a-checkpoint"  # every rank's setup fails loading the model
+    empty.mkdir()
+    group = LearnerGroup(cfg, Runtime("t", str(tmp_path), str(empty)), pg)
+    try:
+        assert group.start_close() == []  # the ranks are still starting
+        with pytest.raises(ray_local.exceptions.RayTaskError, match="Unrecognized model in .*not-a-chec"):
+            group.wait_set_up()
+        assert group.start_close() == []  # their setup failed: nothing to close
+    finally:
+        for actor in group.actors:
+            ray_local.kill(actor)
+        remove_placement_group(pg)
+    assert_nothing_left([])
