@@ -445,15 +445,13 @@ class LearnerGroup:
         which cannot answer, and one still setting up or whose setup failed (the run stopped
         while it started, e.g. an engine failed): it would answer only once set up, and has
         nothing open that the kill does not end."""
-        ray = self._ray
-        done, _ = ray.wait(self._setting_up, num_returns=len(self._setting_up), timeout=0)
         refs = []
         for rank, (actor, setup) in enumerate(zip(self.actors, self._setting_up)):
-            if rank in self.dead or setup not in done:
+            if rank in self.dead:
                 continue
             try:
-                ray.get(setup, timeout=0)
-            except ray.exceptions.RayError:
+                self._ray.get(setup, timeout=0)  # GetTimeoutError while it sets up
+            except self._ray.exceptions.RayError:
                 continue
             refs.append(actor.close.remote())
         return refs
