@@ -47,8 +47,9 @@ train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-$$( [ -n "$$WANDB_API_KEY" ] && echo online || echo offline )} \
 		$(BIN)/python train.py $(ARGS)
 
+# After the tests: the 15 slowest, then wall and CPU time per test file (tests/cpu_time.py).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q --durations=15 -m "not two_node" $(ARGS)
+	$(BIN)/python -m pytest -q --durations=15 -p tests.cpu_time -m "not two_node" $(ARGS)
 
 # The two-node quickstart rehearsed in two network namespaces (root; docs/quickstart-two-node.md).
 rehearse: $(STAMP)
