@@ -6,6 +6,7 @@ suite (``tests/store_suite.py``) passes over it."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -151,5 +152,10 @@ def store_case(memory_backend, ray_local, tmp_path_factory):
         yield case
         shelf = ray_local.get_actor(case.services["shelf"])
         assert ray_local.get(shelf.keys.remote()) == []  # every test removed its data
-    with pytest.raises(ValueError):  # stopped with the case, as a master is
-        ray_local.get_actor(case.services["shelf"])
+    # stopped with the case, as a master is (ray.kill returns before Ray's control store drops
+    # the actor's name)
+    deadline = time.monotonic() + 10
+    with pytest.raises(ValueError):
+        while time.monotonic() < deadline:
+            ray_local.get_actor(case.services["shelf"])
+            time.sleep(0.05)

@@ -14,6 +14,7 @@ import pytest
 
 from rl.nodes import check_nodes
 from tests.conftest import REPO, compose, pids_with
+from tests.test_e2e import assert_nothing_left
 
 
 def _node(ip: str, **resources: float) -> dict:
@@ -67,7 +68,8 @@ def test_two_node_on_a_one_node_ray_is_refused_before_workers_start(tmp_path):
     assert proc.returncode != 0 and "cluster=two_node needs 2 Ray nodes but the Ray cluster has 1" in out, \
         out[-3000:]
     assert "[cluster] starting" not in out and time.monotonic() - t0 < 60
-    assert pids_with(str(tmp_path)) == [] and pids_with("ray::") == []
+    assert pids_with(str(tmp_path)) == []
+    assert_nothing_left([])  # Ray's idle workers exit after their raylet, on their own time
 
 
 def test_mooncake_protocol_env_is_honoured(monkeypatch):

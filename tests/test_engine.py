@@ -317,14 +317,14 @@ def test_a_burst_longer_than_the_wait_is_decoded_as_one_batch(tiny_path):
     tok = load_tokenizer(tiny_path)
     engine = Recording(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
     engine.batches = []
-    scheduler = BatchScheduler(engine, max_batch_size=64, batch_wait_s=0.5)
+    scheduler = BatchScheduler(engine, max_batch_size=64, batch_wait_s=1.0)
 
     async def burst_then_pause():
         sent = []
-        for i in range(8):  # 0.1 s apart: 0.8 s in all, longer than the wait, gaps well under it
+        for i in range(8):  # 0.2 s apart: 1.6 s in all, longer than the wait, gaps well under it
             sent.append(asyncio.ensure_future(
                 scheduler.submit([GenRequest(input_ids=[5 + i], max_new_tokens=2)])))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.2)
         first = await asyncio.gather(*sent)
         second = await scheduler.submit([GenRequest(input_ids=[5], max_new_tokens=2)] * 2)
         return first, second

@@ -33,6 +33,15 @@ def _pid(pid_file) -> int | None:
     return int(text) if text else None
 
 
+def _started(pid_file, timeout_s: float = 30.0) -> bool:
+    """Wait until the child has written its pid (its Python may start slowly on a loaded
+    machine), then say it is not ready."""
+    deadline = time.monotonic() + timeout_s
+    while _pid(pid_file) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return False
+
+
 def test_a_child_that_becomes_ready_is_returned_running(tmp_path):
     marker = tmp_path / "ready"
     proc = start_child([sys.executable, "-c", f"open({str(marker)!r}, 'w'); import time; time.sleep(600)"],
@@ -57,7 +66,8 @@ def test_a_timeout_stops_the_child_and_names_the_setting(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"demo did not answer /ping within 2s \(demo.timeout_s\)"):
         start_child(_sleeper(pid_file), name="demo", log_path=str(tmp_path / "demo.log"),
-                    ready=lambda: False, timeout_s=2, waits_for="/ping", timeout_hint="demo.timeout_s")
+                    ready=lambda: _started(pid_file), timeout_s=2, waits_for="/ping",
+                    timeout_hint="demo.timeout_s")
     assert time.monotonic() - t0 < 15
     assert _pid(pid_file) and not _alive(_pid(pid_file))
 

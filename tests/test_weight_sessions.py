@@ -62,9 +62,10 @@ def test_a_refused_bucket_fails_the_push_at_once_naming_the_engine(engine, tiny_
     proc, url = engine
     sync = _sync()
     sync.connect([_NoSession(url, "engine-0", timeout_s=60)])
+    params = list(load_model(tiny_path).named_parameters())  # loaded before the clock starts
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as e:
-        sync.push(load_model(tiny_path).named_parameters(), 1)
+        sync.push(params, 1)
     assert time.monotonic() - t0 < 10  # not the 60 s group timeout
     assert "engine-0" in str(e.value) and "begin_weight_update() and end_weight_update()" in str(e.value)
     proc.stop()  # the engine never joined the broadcast: end it before the group goes
