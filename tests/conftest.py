@@ -197,6 +197,17 @@ def ray_local():
     ray.shutdown()
 
 
+def wait_until(check, timeout_s: float = 10.0, every_s: float = 0.05) -> bool:
+    """Whether ``check()`` comes true within ``timeout_s``: for state that another process
+    changes on its own time (a release, an exit, a name dropped)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every_s)
+    return True
+
+
 def pids_with(fragment: str) -> list[int]:
     """PIDs of live processes whose command line contains ``fragment``."""
     out = []

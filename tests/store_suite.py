@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import pytest
 
+from tests.conftest import wait_until
 from tests.test_codec import assert_same
 from tests.test_learner import make_batch
 from transfer.data.base import RemovedError, RolloutStore, StoreRef
@@ -83,20 +84,6 @@ def _probes() -> dict[type, Callable[[dict, StoreRef], bool]]:
 
 PROBES: dict[type, Callable[[dict, StoreRef], bool]] = _probes()
 """Schema class -> leak probe; a test adding a backend may add its own."""
-
-
-def released(held: Callable[[StoreRef], bool], ref: StoreRef, timeout_s: float = 10.0) -> bool:
-    """Whether the store lets go of ``ref`` within ``timeout_s``. A backend may free
-    asynchronously: Ray frees an object once its owner and every borrower dropped it, and a
-    process that read the ref (the consumer actor) reports its release in a message of its own."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while held(ref):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @contextmanager
@@ -213,7 +200,9 @@ def test_remove_is_idempotent_and_leaves_nothing(store_case: StoreCase, ray_loca
     assert case.held is None or case.held(ref)
     case.producer.remove([ref])
     case.producer.remove([ref])  # twice: no error
-    assert case.held is None or released(case.held, ref)
+    # a backend may free on its own time: Ray frees an object once its owner and every
+    # borrower dropped it, and the consumer that read it reports its release in a message of its own
+    assert case.held is None or wait_until(lambda: not case.held(ref))
     with pytest.raises(RemovedError, match="removed"):
         case.producer.get(ref)
     with pytest.raises(RemovedError, match="removed"):  # in another process too

@@ -6,7 +6,6 @@ suite (``tests/store_suite.py``) passes over it."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -14,7 +13,7 @@ import pytest
 
 import rl.config.transfer as transfer_configs
 from rl.config.transfer import TransferConfig
-from tests.conftest import compose
+from tests.conftest import compose, wait_until
 from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
     PROBES, registered_case, test_a_ref_of_another_backend_is_refused,
     test_remove_is_idempotent_and_leaves_nothing, test_results_of_earlier_gets_stay_intact,
@@ -152,10 +151,13 @@ def store_case(memory_backend, ray_local, tmp_path_factory):
         yield case
         shelf = ray_local.get_actor(case.services["shelf"])
         assert ray_local.get(shelf.keys.remote()) == []  # every test removed its data
-    # stopped with the case, as a master is (ray.kill returns before Ray's control store drops
-    # the actor's name)
-    deadline = time.monotonic() + 10
-    with pytest.raises(ValueError):
-        while time.monotonic() < deadline:
-            ray_local.get_actor(case.services["shelf"])
-            time.sleep(0.05)
+    # stopped with the case, as a master is (ray.kill returns before Ray drops the actor's name)
+    assert wait_until(lambda: not _named_actor(ray_local, case.services["shelf"]))
+
+
+def _named_actor(ray, name: str) -> bool:
+    try:
+        ray.get_actor(name)
+        return True
+    except ValueError:
+        return False

@@ -18,6 +18,7 @@ from rl.model import eos_token_ids, load_model, load_tokenizer
 from rl.rollout.client import EngineClient
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.launcher import EngineProcess
+from tests.conftest import wait_until
 from transfer.weights.broadcast import BroadcastSync
 from transfer.net import free_port
 from transfer.weights.group import init_side_group
@@ -52,10 +53,7 @@ def _sglang_answer(ans: dict):
 
 
 def _until(check, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
+    assert wait_until(check, timeout_s, every_s=0.005), "condition not met in time"
 
 
 def test_generate_answers_in_sglang_shape(server, tiny_path):

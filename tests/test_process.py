@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.conftest import wait_until
 from transfer.process import start_child
 
 
@@ -33,12 +34,10 @@ def _pid(pid_file) -> int | None:
     return int(text) if text else None
 
 
-def _started(pid_file, timeout_s: float = 30.0) -> bool:
+def _started(pid_file) -> bool:
     """Wait until the child has written its pid (its Python may start slowly on a loaded
     machine), then say it is not ready."""
-    deadline = time.monotonic() + timeout_s
-    while _pid(pid_file) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: _pid(pid_file) is not None, timeout_s=30)
     return False
 
 
