@@ -111,6 +111,13 @@ class Learner:
         progress = min(1.0, (step - a.warmup_steps) / max(1, self.cfg.num_steps - a.warmup_steps))
         return a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
+    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """Sum (or max) ``values`` over the ranks. The tensor is made on this rank's device:
+        NCCL serves CUDA tensors only, and a CPU tensor there raises at the first step."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+
     # -- training ----------------------------------------------------------------------
     def train(self, ref: RolloutRef) -> dict[str, float]:
         started = time.time()
@@ -121,22 +128,19 @@ class Learner:
         batch = RolloutBatch.from_columns(columns)
         keep = mask_stale(batch, ref.min_version)
         metrics = self.train_batch(batch)
-        trained = torch.tensor([float(keep.sum())], dtype=torch.float64)
-        dist.all_reduce(trained)
-        metrics["train/samples"] = float(trained)
+        [trained] = self._all_reduce([float(keep.sum())])
+        metrics["train/samples"] = trained
         # Slowest rank's GET, and all ranks' bytes: the step waits for the slowest reader.
-        get_ms = torch.tensor([get_s * 1e3], dtype=torch.float64)
-        dist.all_reduce(get_ms, op=dist.ReduceOp.MAX)
-        metrics["transfer/get_ms"] = float(get_ms)
+        [get_ms] = self._all_reduce([get_s * 1e3], "max")
+        metrics["transfer/get_ms"] = get_ms
         metrics["transfer/get_gbps"] = sum(p.nbytes for p in ref.partitions) / 1e9 / max(
-            float(get_ms) / 1e3, 1e-9)  # GB/s of payload
+            get_ms / 1e3, 1e-9)  # GB/s of payload
         # The store's own timings of this get, slowest rank as for get_ms (every rank runs the
         # same backend, so the same names in the same order).
         names = sorted(self.store.get_timings_ms)
         if names:
-            slowest = torch.tensor([self.store.get_timings_ms[k] for k in names], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            metrics.update({f"transfer/{k}": float(v) for k, v in zip(names, slowest.tolist())})
+            slowest = self._all_reduce([self.store.get_timings_ms[k] for k in names], "max")
+            metrics.update({f"transfer/{k}": v for k, v in zip(names, slowest)})
         metrics["train/step_time"] = time.perf_counter() - t0
         metrics["train/started_at"], metrics["train/finished_at"] = started, time.time()
         return metrics
@@ -162,24 +166,21 @@ class Learner:
         for idx in np.array_split(order, a.steps_per_rollout):
             mini = batch.select(idx)
             old_mini = None if old_logp is None else [old_logp[i] for i in idx]
-            count = torch.tensor([agg_count_of(mini, a.loss_agg)], dtype=torch.float64)
-            dist.all_reduce(count)
-            if float(count) == 0:  # nothing left to learn from on any rank (stale or dropped)
+            [count] = self._all_reduce([agg_count_of(mini, a.loss_agg)])
+            if count == 0:  # nothing left to learn from on any rank (stale or dropped)
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            sums = self.accumulate_grads(mini, old_mini, float(count))
+            sums = self.accumulate_grads(mini, old_mini, count)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
             grad_norm += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             self.optimizer.step()
             steps += 1
-            sums["loss"] /= float(count)  # this mini-batch's loss, summed over ranks below
+            sums["loss"] /= count  # this mini-batch's loss, summed over ranks below
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v
         self.scheduler.step()  # the LR schedule counts rollouts
         keys = ("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff", "tis_mean", "tokens")
-        packed = torch.tensor([totals.get(k, 0.0) for k in keys], dtype=torch.float64)
-        dist.all_reduce(packed)
-        g = dict(zip(keys, packed.tolist()))
+        g = dict(zip(keys, self._all_reduce([totals.get(k, 0.0) for k in keys])))
         tok = max(g["tokens"], 1.0)
         return {
             "train/loss": g["loss"] / max(steps, 1),
@@ -221,9 +222,8 @@ class Learner:
         this rank's sums."""
         a, T = self.cfg.algo, self.cfg.rollout.temperature
         if count is None:
-            total = torch.tensor([agg_count_of(batch, a.loss_agg)], dtype=torch.float64)
-            dist.all_reduce(total)
-            count = max(float(total), 1.0)
+            [total] = self._all_reduce([agg_count_of(batch, a.loss_agg)])
+            count = max(total, 1.0)
         n, mbs, max_len = len(batch), a.micro_batch_size, self.cfg.rollout.max_new_tokens
         scale = self.world_size / count  # FSDP averages gradients over ranks
         clip_high = a.clip_eps_high if a.clip_eps_high is not None else a.clip_eps
