@@ -17,7 +17,8 @@ from tests.conftest import REPO, compose
 @pytest.mark.parametrize("transfer", ["mooncake_rdma", "mooncake_tcp", "ray"])
 @pytest.mark.parametrize("weights", ["p2p", "broadcast"])
 def test_two_node_gpu_combinations_compose(transfer, weights):
-    cfg = compose("cluster=two_node_8x8", "rollout=sglang", f"transfer={transfer}", f"weights={weights}")
+    cfg = compose("cluster=two_node_8x8", "rollout=sglang", "model.dtype=bfloat16", f"transfer={transfer}",
+                  f"weights={weights}")
     plan = describe_placement(cfg)
     assert "8 sglang engines x 1 GPU on nodes with resource 'rollout_node' (8 GPUs)" in plan
     assert "8 learner ranks x 1 GPU on nodes with resource 'train_node' (8 GPUs)" in plan
@@ -48,7 +49,7 @@ def _doc_commands(path: str) -> list[list[str]]:
     return cmds
 
 
-def test_two_node_quickstart_commands_are_real(tmp_path, tiny_path):
+def test_two_node_quickstart_commands_are_real(tmp_path, chat_model_path):
     doc = os.path.join(REPO, "docs", "quickstart-two-node.md")
     cmds = _doc_commands(doc)
     trainings = 0
@@ -62,7 +63,7 @@ def test_two_node_quickstart_commands_are_real(tmp_path, tiny_path):
             data = tmp_path / "gsm8k.jsonl"
             data.write_text(json.dumps({"prompt": "1+1?", "label": "2"}) + "\n")
             # paths that exist only on the cluster are swapped for local ones
-            overrides = [f"model.path={tiny_path}" if o.startswith("model.path=") else
+            overrides = [f"model.path={chat_model_path}" if o.startswith("model.path=") else
                          f"task.path={data}" if o.startswith("task.path=") else o for o in overrides]
             cfg = compose(*overrides)
             if cfg.cluster.name == "two_node":  # the CPU rehearsal's command (tests/test_two_node.py)
@@ -71,6 +72,13 @@ def test_two_node_quickstart_commands_are_real(tmp_path, tiny_path):
             assert cfg.cluster.name == "two_node_8x8" and cfg.rollout.name == "sglang"
             trainings += 1
     assert trainings == 2
+    # every command runs in the image the page builds, on the host's network and IPC
+    (build,) = [c for c in cmds if c[:2] == ["docker", "build"]]
+    (run,) = [c for c in cmds if c[:2] == ["docker", "run"]]
+    assert build[build.index("-t") + 1] in run
+    for flag in (["--gpus", "all"], ["--network", "host"], ["--ipc", "host"]):
+        assert any(run[i:i + 2] == flag for i in range(len(run))), flag
+    assert "--shm-size" in run
 
 
 def test_head_serves_the_job_api_where_the_quickstart_submits():

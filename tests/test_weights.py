@@ -111,9 +111,10 @@ def test_each_data_path_and_weight_path_keep_engines_bit_identical(ray_module, t
         cluster.shutdown()
 
 
-def test_bfloat16_engines_run_the_learners_dtype_and_hold_its_weights_bit_for_bit(ray_module, tmp_path):
-    """``model.dtype=bfloat16``: the engines load the (float32) checkpoint in bfloat16 as the
-    learners do, and hold the learners' bfloat16 weights bit for bit after every sync."""
+def test_bfloat16_engines_hold_the_float32_master_weights_rounded_bit_for_bit(ray_module, tmp_path):
+    """``model.dtype=bfloat16``: the engines load the (float32) checkpoint in bfloat16, the
+    learners keep float32 master weights (``model.master_dtype``) and compute in bfloat16,
+    and after every sync the engines hold the master weights rounded to bfloat16, bit for bit."""
     from rl.model import load_model
 
     data = tmp_path / "prompts.jsonl"
@@ -123,24 +124,28 @@ def test_bfloat16_engines_run_the_learners_dtype_and_hold_its_weights_bit_for_bi
                   "task.reward._target_=tests.helpers.length_reward", f"output_dir={tmp_path}")
     runtime = prepare_run(cfg)
     # the checkpoint has float32 values that bfloat16 cannot hold: an engine running float32
-    # would hold those, not the learners' rounding of them
+    # would hold those, not their rounding
     on_disk = dict(load_model(runtime.model_path, "float32").named_parameters())
     assert all(p.dtype == torch.float32 for p in on_disk.values())
     assert any((bits(p) & 0xFFFF).any() for p in on_disk.values())
+
+    def rounded(state: dict) -> dict:
+        return {n: t.to(torch.bfloat16) for n, t in state.items()}
+
     cluster = Cluster(cfg, runtime).start()
     try:
         start = learner_state(cluster)
-        assert {t.dtype for t in start.values()} == {torch.bfloat16}
-        assert_engines_hold(cluster, start, version=None)  # before any push: loaded in bfloat16
+        assert {t.dtype for t in start.values()} == {torch.float32}
+        assert_engines_hold(cluster, rounded(start), version=None)  # before any push: loaded in bfloat16
         cluster.learners.push_weights(version=0)
-        assert_engines_hold(cluster, learner_state(cluster), 0)
+        assert_engines_hold(cluster, rounded(learner_state(cluster)), 0)
         for step in range(2):
             ref = cluster.rollout.generate(step)
             assert cluster.learners.train(ref)["train/grad_norm"] > 0
             cluster.store.remove(ref.partitions)
             cluster.learners.push_weights(version=step + 1)
             after = learner_state(cluster)
-            assert_engines_hold(cluster, after, step + 1)
+            assert_engines_hold(cluster, rounded(after), step + 1)
         assert any(not np.array_equal(bits(start[n]), bits(after[n])) for n in start)  # trained
     finally:
         cluster.shutdown()

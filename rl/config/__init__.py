@@ -80,6 +80,7 @@ class Config:
                 f"samples each of the cluster.num_learners={learners} ranks gets per rollout; every "
                 f"mini-batch needs at least one sample per rank")
         self.rollout.check_cluster(self.cluster)  # each engine kind knows what it needs
+        self.rollout.check_model(self.model)
 
     def check_async(self) -> None:
         """What ``train_async.py`` needs beyond ``train.py`` (raised before any worker starts)."""

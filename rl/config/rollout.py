@@ -13,6 +13,7 @@ from rl.config.checks import positive
 
 if TYPE_CHECKING:
     from rl.config.cluster import ClusterConfig
+    from rl.config.model import ModelConfig
 
 
 @dataclass(kw_only=True)
@@ -93,13 +94,17 @@ class RolloutConfig:
     def server_command(self, model_path: str, host: str, port: int, index: int,
                        seed: int, gpus: int, dtype: str = "float32") -> list[str]:
         """The command that starts engine ``index`` (an HTTP server on ``host:port``).
-        ``dtype``: the engine's weight and compute dtype, ``model.dtype`` (the learner's), so
-        that the engines sample with the weights the learner trains, bit for bit."""
+        ``dtype``: the engine's weight and compute dtype, ``model.dtype``: the learner pushes
+        its weights cast to it, and computes in it."""
         raise NotImplementedError
 
     def check_cluster(self, cluster: "ClusterConfig") -> None:
         """Cross-check with the placement (called by the root config): what this engine
         kind needs of ``cluster.gpus_per_engine``."""
+
+    def check_model(self, model: "ModelConfig") -> None:
+        """Cross-check with the model (called by the root config): the dtypes this engine
+        kind serves."""
 
 
 @dataclass(kw_only=True)
@@ -134,6 +139,22 @@ class HFRolloutConfig(RolloutConfig):
                              "or use rollout=sglang")
 
 
+FLOAT32_ATTENTION_BACKENDS = ("triton", "torch_native", "flex_attention")
+"""SGLang attention backends whose kernels take float32 (Triton and PyTorch code). The
+others are FlashAttention / FlashInfer-class kernels that take float16 and bfloat16 only,
+and SGLang 0.5.23 picks fa3 on Hopper whatever the dtype (``get_default_attn_backend``)."""
+ATTENTION_BACKEND_FLAGS = ("--attention-backend", "--prefill-attention-backend",
+                           "--decode-attention-backend")
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """Every value given to ``flag`` in an argument list (``--flag v`` or ``--flag=v``)."""
+    args = [str(a) for a in args]
+    values = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    values += [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return values
+
+
 @dataclass(kw_only=True)
 class SGLangRolloutConfig(RolloutConfig):
     name: str = "sglang"
@@ -149,7 +170,7 @@ class SGLangRolloutConfig(RolloutConfig):
             raise ValueError(f"rollout.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
         if any(str(a) == "--dtype" or str(a).startswith("--dtype=") for a in self.extra_args):
             raise ValueError("rollout.extra_args: --dtype is set from model.dtype (the engines "
-                             "sample in the learner's dtype); set model.dtype instead")
+                             "receive the weights in it); set model.dtype instead")
 
     def server_command(self, model_path: str, host: str, port: int, index: int,
                        seed: int, gpus: int, dtype: str = "float32") -> list[str]:
@@ -167,6 +188,21 @@ class SGLangRolloutConfig(RolloutConfig):
         if cluster.gpus_per_engine < 1:
             raise ValueError("rollout=sglang needs GPUs: set cluster.gpus_per_engine (its tensor-"
                              "parallel size) to 1 or more")
+
+    def check_model(self, model: "ModelConfig") -> None:
+        if model.dtype != "float32":
+            return
+        named = [v for f in ATTENTION_BACKEND_FLAGS for v in flag_values(self.extra_args, f)]
+        if flag_values(self.extra_args, "--attention-backend") and \
+                all(v in FLOAT32_ATTENTION_BACKENDS for v in named):
+            return
+        raise ValueError(
+            "rollout=sglang with model.dtype=float32: SGLang's default attention kernels on GPUs "
+            "(fa3 on Hopper, flashinfer elsewhere) take float16/bfloat16 only. Set "
+            "model.dtype=bfloat16 (the learner keeps float32 master weights, model.master_dtype), "
+            "or name an attention backend that takes float32: "
+            "rollout.extra_args='[--attention-backend,triton]' (also "
+            f"{', '.join(FLOAT32_ATTENTION_BACKENDS[1:])})")
 
 
 SCHEMAS: dict[str, type] = {"hf": HFRolloutConfig, "sglang": SGLangRolloutConfig}

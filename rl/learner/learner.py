@@ -48,7 +48,7 @@ class Learner:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         cfg = self.cfg
         if self.on_gpu:
@@ -63,19 +63,29 @@ class Learner:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         torch.manual_seed(cfg.seed)
 
+        # Master weights and optimizer state in model.master_dtype; with a narrower
+        # model.dtype, FSDP2 gathers the parameters in it for the forward and backward and
+        # reduces the gradients in float32 (what the field does: an update below bfloat16's
+        # resolution still moves the float32 master weights).
+        mp_policy = MixedPrecisionPolicy()  # no casts
+        if cfg.model.mixed_precision:
+            mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.model.dtype),
+                                             reduce_dtype=torch.float32)
+
         def sharded(model):
             layer_types = tuple(getattr(model, "_no_split_modules", None) or ())
             for module in model.modules():
                 if type(module).__name__ in layer_types:
-                    fully_shard(module, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                    fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(model, mesh=mesh, mp_policy=mp_policy)
             return model
 
-        self.model = sharded(load_model(self.runtime.model_path, cfg.model.dtype, self.device))
+        master = cfg.model.master_dtype
+        self.model = sharded(load_model(self.runtime.model_path, master, self.device))
         self.model.train()
         self.ref_model = None
         if cfg.algo.kl_coef > 0:
-            self.ref_model = sharded(load_model(self.runtime.model_path, cfg.model.dtype, self.device))
+            self.ref_model = sharded(load_model(self.runtime.model_path, master, self.device))
             self.ref_model.requires_grad_(False)
         a = cfg.algo
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr,
@@ -310,7 +320,11 @@ class Learner:
         self.weight_sync.reconnect(receivers, replaced)
 
     def push_weights(self, version: int) -> dict[str, float]:
-        return self.weight_sync.push(self.model.named_parameters(), version)
+        """Send the master weights to the engines, cast to their dtype (``model.dtype``)
+        shard by shard, so that the gather moves the narrow copy."""
+        dtype = getattr(torch, self.cfg.model.dtype)
+        return self.weight_sync.push(((n, p.detach().to(dtype)) for n, p in self.model.named_parameters()),
+                                     version)
 
     def full_state(self) -> dict[str, np.ndarray] | None:
         """Every parameter as a whole numpy array (rank 0; a collective on all ranks)."""
