@@ -121,7 +121,8 @@ def test_sizes(value, expected):
     ("rollout.n_samples_per_prompt=-2", "rollout.n_samples_per_prompt=-2 must be > 0"),
     ("algo.micro_batch_size=0", "algo.micro_batch_size=0 must be > 0"),
     ("weights.bucket_bytes='2 gigs'", "weights.bucket_bytes='2 gigs' is not a size"),
-    (("model=hf", "model.path=/nonexistent/ckpt"), "model.path='/nonexistent/ckpt' is not a Hugging Face"),
+    (("model=hf", "model.path=/nonexistent/ckpt"),
+     "model.path='/nonexistent/ckpt' is not a Hugging Face"),
     ("model.path=/ckpt/Qwen", "is set on model=tiny (the default), which would train the built-in"),
     ("model=hf", "model=hf needs model.path=/path/to/checkpoint"),
     ("model.chat_template=true", "the built-in tiny model's tokenizer has no chat template"),
@@ -145,15 +146,18 @@ def test_bad_values_name_the_field(override, fragment):
 def test_a_checkpoint_without_a_chat_template_is_refused_when_one_is_asked_for(tiny_path, chat_model_path):
     with pytest.raises(ValueError, match="has no chat template"):
         compose("model=hf", f"model.path={tiny_path}", "model.chat_template=true")
-    assert compose("model=hf", f"model.path={chat_model_path}", "model.chat_template=true").model.chat_template
+    cfg = compose("model=hf", f"model.path={chat_model_path}", "model.chat_template=true")
+    assert cfg.model.chat_template
 
 
 def test_float32_sglang_engines_only_with_an_attention_backend_that_takes_it():
     gpu = ("rollout=sglang", "cluster.gpus_per_engine=1")
     assert compose(*gpu, "model.dtype=bfloat16").model.dtype == "bfloat16"
-    for ok in ("[--attention-backend,triton]", "[--attention-backend,torch_native,--decode-attention-backend,triton]"):
+    for ok in ("[--attention-backend,triton]",
+               "[--attention-backend,torch_native,--decode-attention-backend,triton]"):
         assert compose(*gpu, f"rollout.extra_args={ok}").rollout.extra_args
-    for refused in ("[--attention-backend,fa3]", "[--attention-backend,triton,--prefill-attention-backend,fa3]",
+    for refused in ("[--attention-backend,fa3]",
+                    "[--attention-backend,triton,--prefill-attention-backend,fa3]",
                     "[--decode-attention-backend,triton]"):
         with pytest.raises(ValueError, match="rollout=sglang with model.dtype=float32"):
             compose(*gpu, f"rollout.extra_args={refused}")
