@@ -12,7 +12,7 @@ TORCH_VERSION := $(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' $(LOCK))
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' rl/rollout/sglang_version.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: venv train test test-fast rehearse lint lock bench-transfer clean
+.PHONY: venv train test test-fast rehearse lint lock bench-transfer gpu-wheels clean
 
 $(STAMP): pyproject.toml rl/rollout/sglang_version.py $(LOCK)
 	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } || true
@@ -60,6 +60,11 @@ lint: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not two_node" $(ARGS)
+
+# Wheels that scripts/gpu_check.sh installs on a GPU machine without network (pure Python,
+# at this environment's versions).
+gpu-wheels: $(STAMP)
+	$(BIN)/pip wheel -q -c $(LOCK) -w .gpu-wheels hydra-core omegaconf pytest pytest-timeout
 
 bench-transfer: $(STAMP)
 	$(BIN)/python benchmarks/transfer_bench.py $(ARGS)
