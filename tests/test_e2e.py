@@ -158,14 +158,17 @@ def test_chat_checkpoint_gets_templated_prompts_on_both_weight_paths(chat_model_
 
 
 @pytest.mark.slow
-def test_reward_rises_on_the_default_task(tmp_path):
-    """The default job, as `make train` runs it (console logger to keep the test offline)."""
+@pytest.mark.parametrize("overrides", [(), ("model.dtype=bfloat16",)],
+                         ids=["float32", "bfloat16-compute-float32-master"])
+def test_reward_rises_on_the_default_task(overrides, tmp_path):
+    """The default job, as `make train` runs it (console logger to keep the test offline);
+    and with bfloat16 engines and compute over float32 master weights (mixed precision)."""
     t0 = time.monotonic()
-    train("logger=console", f"output_dir={tmp_path}", timeout=900, own_ray=True)
+    train("logger=console", f"output_dir={tmp_path}", *overrides, timeout=900, own_ray=True)
     rewards = [r["rollout/reward_mean"] for r in read_metrics(tmp_path)]
     assert np.mean(rewards[:5]) < 0.1
     assert np.mean(rewards[-10:]) > 0.9, rewards[-20:]
-    print(f"default job: {len(rewards)} steps in {time.monotonic() - t0:.0f}s, "
+    print(f"default job {overrides}: {len(rewards)} steps in {time.monotonic() - t0:.0f}s, "
           f"final reward {np.mean(rewards[-10:]):.3f}")
 
 
