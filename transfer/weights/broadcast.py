@@ -99,9 +99,9 @@ class BroadcastSync:
             for r, off in zip(receivers, offsets)
         }
         try:
-            # NCCL's watchdog aborts the process when an operation exceeds the group's
-            # timeout: give it a margin, so that the sender's own bound (weights.timeout_s)
-            # fires first and names the engines.
+            # NCCL's watchdog ends an operation that exceeds the group's timeout (group.py):
+            # give it a margin, so that the sender's own bound (weights.timeout_s) fires first,
+            # names the engines and aborts the group.
             margin = 60.0 if self.backend == "nccl" else 0.0
             self.group = init_side_group(backend=self.backend, master_address=self.master_address,
                                          master_port=port, rank=0, world_size=world_size,
@@ -187,10 +187,13 @@ class BroadcastSync:
         except Exception as e:  # refused by an engine, or a peer left the group
             # The other engines may wait in this broadcast until the group's timeout (gloo and
             # NCCL alike): those that do not answer soon count as unanswered and are replaced.
-            # The group is not destroyed here: with broadcasts of it still queued, that left
-            # the learners' own gloo all-gathers hanging at the next push (measured); it goes
-            # when the group is formed again, after the stuck engines were stopped.
+            # This side aborts at once: NCCL's queued broadcasts would otherwise run into the
+            # watchdog's timeout (SideGroup.abort; a no-op for gloo). The group is not
+            # destroyed here: destroying a gloo group waits for its queued broadcasts, which
+            # left the learners' own gloo all-gathers hanging at the next push (measured); it
+            # goes when the group is formed again, after the stuck engines were stopped.
             self.broken = True
+            self.group.abort()
             self._raise_engine_errors(futures, cause=e, timeout_s=min(self.timeout_s, STUCK_S))
             raise
         self._raise_engine_errors(futures)

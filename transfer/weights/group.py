@@ -12,17 +12,33 @@ waits for keys SGLang never writes (measured: ``DistStoreError: wait timeout ...
 
 Neither side needs a default process group: a learner that runs FSDP over its own world
 and a CPU engine that runs none join the same side group alike.
+
+A peer can die in the middle of a broadcast (an engine is replaced then, and the group formed
+again): ``SideGroup.abort`` ends what is left of it, and an NCCL side group is built so that
+such a failure never takes the process down (``ASYNC_ERROR_HANDLING``).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 BACKENDS = ("gloo", "nccl")
+
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+CLEAN_UP_ONLY = "2"
+"""ProcessGroupNCCL's ``ErrorHandlingMode::CleanUpOnly``: on a failed or timed-out collective
+the watchdog aborts the group's communicators and the error reaches the caller's ``wait()``;
+the default (3, ``SkipCleanUp``) rethrows in the watchdog thread, which ends the process."""
 
 
 @dataclass
@@ -32,11 +48,33 @@ class SideGroup:
     world_size: int
     backend: str
     name: str
+    aborted: bool = False
+    """``abort`` was called: the group serves no further collective; destroy it, form a new one."""
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """``torch.distributed.broadcast`` in this group (SGLang's receivers call exactly
         this); returns the work handle when ``async_op``."""
         return dist.broadcast(tensor, src=src, group=self.pg, async_op=async_op)
+
+    def abort(self) -> None:
+        """End the group's pending collectives now, after a peer left in the middle of one.
+
+        NCCL: ``ProcessGroupNCCL::abort`` calls ``ncclCommAbort`` on the group's communicators,
+        which stops their queued kernels; otherwise the watchdog would end them only at the
+        group's timeout, and ``destroy`` would wait for them first (its ``shutdown`` calls
+        ``ncclCommFinalize`` and waits; on an aborted communicator it skips that). gloo has no
+        abort (``Backend::abort`` is a no-op): its pending work ends when the peers' sockets
+        close or at the group's timeout, and ``destroy`` must wait until then, because
+        ``~ProcessGroupGloo`` joins its worker threads. The group stays registered until
+        ``destroy``, so a new one of the same name can be formed only after that."""
+        if self.pg is None or self.aborted:
+            return
+        self.aborted = True
+        try:
+            self.pg.abort()
+        except RuntimeError as e:  # NCCL: the abort itself exceeded the group's timeout
+            logger.warning("aborting weight-update group %r failed: %s; it is destroyed and "
+                           "formed again at the next sync", self.name, e)
 
     def destroy(self) -> None:
         if self.pg is None:
@@ -74,10 +112,32 @@ def init_side_group(*, backend: str, master_address: str, master_port: int, rank
                                               world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                      group_name=group_name, backend_options=None,
-                                      timeout=timeout, device_id=None)
+    with _errors_do_not_end_the_process(backend):
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                          group_name=group_name, backend_options=None,
+                                          timeout=timeout, device_id=None)
     # Group ranks equal "global" ranks here, so torch.distributed.broadcast(src=0, group=pg)
     # means the sender on both sides, whatever default world a process has.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return SideGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, name=group_name)
+
+
+@contextmanager
+def _errors_do_not_end_the_process(backend: str) -> Iterator[None]:
+    """Build an NCCL side group with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: a peer's death is
+    an engine's fault that the run survives (the engine is replaced), not the learner's.
+    ProcessGroupNCCL reads the variable once, in its constructor (``asyncErrorHandling_``),
+    which ``_new_process_group_helper`` runs; so the learners' own group, built earlier, keeps
+    its setting, and the variable is restored at once."""
+    if backend != "nccl":
+        yield
+        return
+    before = os.environ.get(ASYNC_ERROR_HANDLING)
+    os.environ[ASYNC_ERROR_HANDLING] = CLEAN_UP_ONLY
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ASYNC_ERROR_HANDLING]
+        else:
+            os.environ[ASYNC_ERROR_HANDLING] = before
