@@ -127,3 +127,34 @@ def test_prepare_gsm8k(tmp_path):
     from rl.tasks.rewards import math_answer
 
     assert math_answer("... so #### 5", row["label"]) == 1.0
+
+
+def test_image_installs_the_one_pinned_mooncake():
+    """Mooncake's CUDA 13 wheel is pinned once, in pyproject.toml's ``gpu`` extra, at the
+    release of the ``cpu`` extra's non-CUDA wheel (the one the CPU tests run, in
+    constraints-cpu.txt); the Dockerfile reads it from there and names no version of its own."""
+    import subprocess
+    import sys
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    pins = {extra: dict(spec.split("==") for spec in extras[extra]) for extra in ("cpu", "gpu")}
+    assert set(pins["gpu"]) == {"mooncake-transfer-engine-cuda13"}
+    assert set(pins["gpu"].values()) == set(pins["cpu"].values()) == \
+        {pins["cpu"]["mooncake-transfer-engine-non-cuda"]}
+    version = pins["gpu"]["mooncake-transfer-engine-cuda13"]
+    with open(os.path.join(REPO, "constraints-cpu.txt")) as f:
+        assert f"mooncake-transfer-engine-non-cuda=={version}\n" in f.read()
+
+    with open(os.path.join(REPO, "docker", "Dockerfile")) as f:
+        dockerfile = f.read()
+    commands = "\n".join(line for line in dockerfile.splitlines() if not line.lstrip().startswith("#"))
+    m = re.search(r"python3 -c '([^']*)' > /tmp/gpu\.txt && \\\n\s*pip install -r /tmp/gpu\.txt", commands)
+    assert m, "the Dockerfile no longer installs the gpu extra's pins read from pyproject.toml"
+    got = subprocess.run([sys.executable, "-c", m.group(1)], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert got == extras["gpu"]
+    assert 'pip install -e ".[gpu,test]"' in commands
+    assert version not in commands and "[cpu" not in commands and ",cpu" not in commands
+    assert commands.count("mooncake") == 0  # every Mooncake wheel comes from the pin
