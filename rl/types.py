@@ -39,7 +39,8 @@ class RolloutBatch:
     sample_id: np.ndarray
     """int64 [N]: unique id of the sample within the run."""
     weight_version: np.ndarray
-    """int64 [N]: version of the weights that generated the sample."""
+    """int64 [N]: version of the weights that generated the sample: the oldest, when a weight
+    sync happened during its generation (``rl.rollout.batch.sample_weight_version``)."""
     finish_reason: list[str]
     """``stop`` (end-of-sequence sampled) or ``length`` (hit max_new_tokens)."""
     label: list[str]

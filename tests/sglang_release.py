@@ -180,3 +180,134 @@ class EngineWeightUpdater:
 
     def receive_weights_from_distributed(self, **kwargs):
         return self._methods()["receive_weights_from_distributed"](self, **kwargs)
+
+
+# -- methods of a class, from the wheel's source ----------------------------------------------
+def method(module: str, class_name: str, name: str, ns: dict):
+    """The method ``name`` of ``class_name`` in a wheel module, executed from its source in
+    ``ns`` (decorators dropped, annotations left unevaluated), as a plain function."""
+    import copy
+
+    fns = [n for n in _class_defs(module)[class_name].body
+           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+    assert len(fns) == 1, f"{module}.{class_name}.{name}: {len(fns)} definitions"
+    fn = copy.deepcopy(fns[0])
+    fn.decorator_list = []
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), source_path(module), "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+    return ns.pop(name)
+
+
+def defines(module: str, class_name: str, name: str) -> bool:
+    """Whether ``class_name`` in a wheel module defines a method ``name`` itself."""
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+               for n in _class_defs(module)[class_name].body)
+
+
+def base_names(module: str, class_name: str) -> list[str]:
+    return [ast.unparse(b) for b in _class_defs(module)[class_name].bases]
+
+
+# -- SGLang's Qwen2 model: its parameters and its loader (models/qwen2.py) -----------------------
+QWEN2 = "sglang.srt.models.qwen2"
+
+# Layers that own parameters, and those they own (biases only where the call sets bias=True).
+_LEAF_LAYERS = {"QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
+                "ColumnParallelLinear", "RMSNorm", "VocabParallelEmbedding", "ParallelLMHead"}
+# Calls in the models' __init__ whose result owns no parameter: activations, rotary
+# embeddings (buffers), attention backends (unquantised: no scales), helpers that hold
+# references to layers above (``DualGemm``, ``append_stages``), placeholders for other
+# pipeline ranks, plain values.
+_NO_PARAMETERS = {"SiluAndMul", "DualGemm", "DenseSiluAndMulQuant", "get_rope", "RadixAttention",
+                  "append_stages", "resolve_linear_parallel_group", "PPMissingLayer",
+                  "LogitsProcessor", "Pooler", "max", "getattr"}
+
+
+def init_assignments(module: str, class_name: str) -> tuple[dict[str, list[ast.expr]], ast.FunctionDef]:
+    """``self.<attr> = <value>`` in the class's ``__init__`` (every branch): attr -> values.
+    Of a tuple target (``self.layers, self.start_layer, self.end_layer = make_pp_layers(...)``)
+    the first element gets the value, the others hold what the call returns beside it."""
+    init = next(n for n in _class_defs(module)[class_name].body
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    out: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(init):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            elts = target.elts[:1] if isinstance(target, ast.Tuple) else [target]
+            for e in elts:
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                    out.setdefault(e.attr, []).append(node.value)
+    return out, init
+
+
+def model_param_names(module: str, class_name: str, num_layers: int, tied: bool,
+                      prefix: str = "") -> list[str]:
+    """The parameter names of an SGLang model class on one rank (no tensor or pipeline
+    parallelism, unquantised), read from the submodules its ``__init__`` builds. A call not
+    known to own parameters or not to own any fails, so a later pin's new layer is noticed."""
+    assigned, init = init_assignments(module, class_name)
+    classes = _class_defs(module)
+    names: list[str] = []
+    for attr, values in assigned.items():
+        if tied and any(isinstance(v, ast.Attribute) and ast.unparse(v).startswith("self.") for v in values):
+            continue  # tied: an alias of a module above (lm_head = self.model.embed_tokens)
+        for call in (v for v in values if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)):
+            ctor = call.func.id
+            if ctor in _LEAF_LAYERS:
+                kw = {k.arg: k.value for k in call.keywords}
+                names.append(f"{prefix}{attr}.weight")
+                if ctor.endswith("Linear"):
+                    assert "bias" in kw, f"{class_name}.{attr}: {ctor} without an explicit bias"
+                    if ast.literal_eval(kw["bias"]):
+                        names.append(f"{prefix}{attr}.bias")
+            elif ctor == "make_pp_layers":  # layer i of the class given as decoder_layer_type
+                args = init.args
+                defaults = dict(zip([a.arg for a in args.args][-len(args.defaults):], args.defaults))
+                layer = ast.unparse(defaults["decoder_layer_type"])
+                for i in range(num_layers):
+                    names += model_param_names(module, layer, num_layers, tied, f"{prefix}{attr}.{i}.")
+            elif ctor in classes:
+                names += model_param_names(module, ctor, num_layers, tied, f"{prefix}{attr}.")
+            else:
+                assert ctor in _NO_PARAMETERS, (f"{class_name}.{attr} = {ctor}(...): not known to own "
+                                                f"parameters or not; teach tests/sglang_release.py")
+    return names
+
+
+class Qwen2Loader:
+    """SGLang's ``Qwen2ForCausalLM._legacy_load_weights``, executed from the wheel's source on
+    a stand-in model with the parameters ``param_names``; ``load(names)`` answers which
+    parameter (and shard) each pushed name was loaded into, and the names it warned about."""
+
+    def __init__(self, param_names: list[str], num_layers: int, tied: bool) -> None:
+        from types import SimpleNamespace
+
+        from sglang.srt.layers.utils.common import get_layer_id
+
+        self.loaded: dict[str, tuple[str, object]] = {}
+        self.warned: list[str] = []
+        loaded = self.loaded
+
+        class Param:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def weight_loader(self, param, loaded_weight, shard_id=None):
+                loaded[loaded_weight] = (param.name, shard_id)  # the tensor is the pushed name
+
+        params = [(n, Param(n)) for n in param_names]
+        self.model = SimpleNamespace(
+            named_parameters=lambda: iter(params), config=SimpleNamespace(tie_word_embeddings=tied),
+            pp_group=SimpleNamespace(is_last_rank=True),
+            model=SimpleNamespace(start_layer=0, end_layer=num_layers))
+        log = SimpleNamespace(warning=self.warned.append)
+        ns = {"get_layer_id": get_layer_id, "logger": log, "__name__": "sglang_qwen2_loader",
+              "default_weight_loader": lambda p, w: Param.weight_loader(p, p, w)}
+        self._load = method(QWEN2, "Qwen2ForCausalLM", "_legacy_load_weights", ns)
+
+    def load(self, names: list[str]) -> tuple[dict[str, tuple[str, object]], list[str]]:
+        self.loaded.clear()
+        self.warned.clear()
+        self._load(self.model, [(n, n) for n in names])
+        return dict(self.loaded), list(self.warned)

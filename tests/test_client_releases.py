@@ -8,9 +8,14 @@ refused (400) while requests wait. One before 0.5.6 lacks ``/model_info`` too.
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 from rl.rollout.client import EngineClient
+from rl.weight_checks import ContentCheck
 from tests.http_app import ThreadedApp
 
 
@@ -110,3 +115,17 @@ def test_engine_layout_must_match_the_ranks_the_sender_plans(old_server, num_ran
     else:
         with pytest.raises(RuntimeError, match=problem):
             c.check_update_ranks()
+
+
+def test_a_server_without_the_weight_read_back_is_named_in_a_warning_not_failed(old_server, caplog):
+    """The content check after a push (``rl.weight_checks``) on a server that answers
+    ``/get_weights_by_name`` with 404: the engine is checked by version only, and said so."""
+    c = EngineClient(old_server.url, "engine-0", timeout_s=30)
+    learners = SimpleNamespace(run=lambda fn, *a, **kw: {"model.norm.weight": np.zeros(4, np.float32)})
+    check = ContentCheck({"model.norm.weight": [4]}, "float32")
+    with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
+        check.after_push(learners, [c], version=1)
+        check.after_push(learners, [c], version=2)
+    assert old_server.seen.count("/get_weights_by_name") == 1
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "engine-0" in caplog.records[0].getMessage() and "HTTP 404" in caplog.records[0].getMessage()

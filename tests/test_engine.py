@@ -167,7 +167,7 @@ def test_bad_input_is_400_naming_the_problem_and_the_engine_stays_healthy(server
         ("/pause_generation", b'{"mode": 3}', BODY, "mode: invalid type"),
         ("/pause_generation", b'{"mode": "pause"}', BODY, "mode='pause'"),
         ("/pause_generation", b'{"mode": "abort"}', VALUE, "retract"),
-        ("/get_weights_by_name", b'{"name": "nope"}', VALUE, "no parameter 'nope'"),
+        ("/get_weights_by_name", b'{"name": "nope"}', VALUE, "Get parameter by name failed"),
         ("/update_weights_from_distributed", b'{"names": ["a"], "dtypes": ["float32"], '
                                              b'"shapes": [["x"]]}', BODY, "shapes[0][0]: invalid type"),
     ]:

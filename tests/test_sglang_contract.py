@@ -8,7 +8,10 @@
   name) and answers in the release's response schema;
 - the CPU engine serves only routes of the release's HTTP server, with their methods, knows
   every field of its ``GenerateRequest``, and refuses bad input in the bodies the release's
-  own handlers produce (run here from the wheel's source).
+  own handlers produce (run here from the wheel's source);
+- the names check before the first push places every name where the release's own
+  ``Qwen2ForCausalLM`` loader loads it, and the CPU engine's ``/get_weights_by_name`` (read
+  by the content check after a push) answers what the release's route answers.
 """
 
 from __future__ import annotations
@@ -153,6 +156,8 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
         sync.push(model.named_parameters(), 3)
         assert client.get_weight_version() == "3"
         sync.close()
+        # the content check after a push (rl.weight_checks) reads a few rows back
+        assert len(client.get_weights_by_name("model.layers.1.self_attn.v_proj.weight", truncate_size=2)) == 2
     finally:
         proxy.close()
 
@@ -161,7 +166,7 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
     for path in ("/generate", "/health_generate", "/model_info", "/begin_weight_update",
                  "/update_weights_from_distributed", "/end_weight_update", "/flush_cache",
                  "/init_weights_update_group", "/destroy_weights_update_group", "/pause_generation",
-                 "/continue_generation"):
+                 "/continue_generation", "/get_weights_by_name"):
         assert any(p == path for _, p in called), f"the client never called {path}"
     for method, path, body in proxy.seen:
         route = routes.get(path)
@@ -178,7 +183,7 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
 
 def test_release_refuses_what_the_validation_refuses():
     """The checks above can fail: SGLang's own types refuse a wrong type, a missing field,
-    a typo, an unknown sampling key, an unknown pause mode."""
+    a typo, an unknown sampling key, an unknown pause mode, a read-back without a name."""
     from sglang.api.v1.api_types import GenerateRequest, JsonContractError
 
     c = sgl.request_classes()
@@ -187,7 +192,10 @@ def test_release_refuses_what_the_validation_refuses():
            (c["UpdateWeightsFromDistributedReqInput"], {"names": ["a"], "dtypes": ["float32"]}),
            (c["UpdateWeightsFromDistributedReqInput"], {"names": [], "dtypes": [], "shapes": [],
                                                          "flush_cahce": False}),
-           (c["PauseGenerationReqInput"], {"mode": "pause"})]
+           (c["PauseGenerationReqInput"], {"mode": "pause"}),
+           (c["GetWeightsByNameReqInput"], {"truncate_size": 4}),
+           (c["GetWeightsByNameReqInput"], {"name": "x", "truncate_size": "all"}),
+           (c["GetWeightsByNameReqInput"], {"name": "x", "max_rows": 4})]
     for cls, body in bad:
         with pytest.raises(ValueError):
             sgl.validate_body(cls, body)
@@ -255,6 +263,9 @@ def test_cpu_engine_answers_in_the_release_schema(engine):
             meta = resp.meta_info
             assert resp.output_ids and meta.completion_tokens == len(resp.output_ids)
             assert meta.finish_reason is not None and meta.weight_version is not None
+            # one span: the answer's tokens all come from the version it names
+            assert [(w.version, w.start, w.end) for w in meta.weight_versions] == \
+                [(meta.weight_version, 0, len(resp.output_ids))]
             if body.get("return_logprob"):
                 assert [e.token_id for e in meta.output_token_logprobs] == list(resp.output_ids)
                 assert all(e.logprob is not None and e.logprob <= 0 for e in meta.output_token_logprobs)
@@ -453,3 +464,150 @@ def test_cpu_engine_refuses_bad_input_in_the_release_bodies(engine):
         assert isinstance(got.get("error"), dict) and isinstance(got["error"].get("message"), str), got
         want = sg.generate(body, refusal=got["error"]["message"])
         assert sg.served and (r.status_code, got) == (want.status_code, want.content)
+
+
+# -- the names a push sends, against the release's Qwen2 loader ----------------------------------
+# Names beside the tiny model's own: wrapped, already stacked (SGLang's mapping rewrites
+# `qkv_proj` into `qkqkv_proj`), skipped silently (a bias SGLang's layer lacks, rotary caches,
+# layers the engine does not hold, vision towers) and plain wrong.
+ODD_NAMES = ["_orig_mod.model.norm.weight", "module.model.norm.weight",
+             "model.layers.0._fsdp_wrapped_module.self_attn.q_proj.weight",
+             "model.layers.1._checkpoint_wrapped_module.mlp.up_proj.weight",
+             "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+             "model.layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.rotary_emb.inv_freq",
+             "model.layers.2.mlp.down_proj.weight", "model.vision_tower.blocks.0.weight",
+             "model.layers.0.attn.q.weight", "model.final_norm.weight", "lm_head.bias"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_names_check_follows_the_release_qwen2_loader(tiny_path, tied):
+    """SGLang's own ``Qwen2ForCausalLM._legacy_load_weights`` (run from the wheel's source on
+    a model with the parameters its ``__init__`` builds) loads exactly the names
+    ``load_target`` places, where it places them; the tiny model's names fill every
+    parameter; and ``check_push_names`` refuses a push with any name it drops."""
+    from rl.model import load_model
+    from rl.rollout.weight_names import PushedModel, check_push_names, load_target, qwen2_params
+
+    layers = 2
+    ours = qwen2_params(layers, tied)
+    release = sgl.model_param_names(sgl.QWEN2, "Qwen2ForCausalLM", layers, tied)
+    assert sorted(release) == sorted(ours), "SGLang's Qwen2 parameters changed: update weight_names"
+    pushed = [n for n, _ in load_model(tiny_path).named_parameters()]
+    loaded, warned = sgl.Qwen2Loader(release, layers, tied).load(pushed + ODD_NAMES)
+    for name in pushed + ODD_NAMES:
+        assert load_target(name, ours, layers) == loaded.get(name), name
+    filled = {loaded[n] for n in pushed if n in loaded}
+    assert filled == {(p, s) for p, shards in ours.items() for s in shards}  # every shard, by SGLang
+    assert any("qkqkv_proj" in w for w in warned) and not any("rotary" in w for w in warned)
+
+    def check(names: list[str]) -> str:
+        return check_push_names(PushedModel(names, layers, tied), ["Qwen2ForCausalLM"], "engine-0")
+
+    assert "fill every parameter" in check(pushed)  # tied: lm_head.weight is the embedding's tensor
+    for odd in ODD_NAMES:
+        if odd not in loaded:
+            with pytest.raises(ValueError, match="engine-0"):
+                check(pushed + [odd])
+
+
+class WeightsByName:
+    """SGLang's answer to ``/get_weights_by_name``, from the wheel's source end to end but for
+    the hops between processes (scheduler, TP worker: they pass ``name`` and
+    ``truncate_size`` on): the route (``http_server``), the tokenizer manager's method
+    (``tokenizer_control_mixin``), the model runner's ``WeightExporter`` and the model's own
+    ``get_weights_by_name``, run on a stand-in ``model``."""
+
+    EXPORTER = "sglang.srt.model_executor.model_runner_components.weight_exporter"
+    MIXIN = "sglang.srt.managers.tokenizer_control_mixin"
+
+    def __init__(self, model) -> None:
+        import logging
+
+        log = logging.getLogger("sglang.get_weights_by_name")
+        ns = {"logger": log, "__name__": "sglang_weights_by_name",
+              "get_parallel": lambda: SimpleNamespace(num_dp_ranks=1)}
+        exporter = SimpleNamespace(get_model=lambda: model, tp_size=1)
+        reason = sgl.method(self.EXPORTER, "WeightExporter", "_weight_export_unsupported_reason", ns)
+        exporter._weight_export_unsupported_reason = lambda: reason(exporter)
+        export = sgl.method(self.EXPORTER, "WeightExporter", "get_weights_by_name", ns)
+
+        async def communicator(obj):  # scheduler -> TP worker -> model runner's exporter
+            return [SimpleNamespace(parameter=export(exporter, obj.name, obj.truncate_size))]
+
+        manager = SimpleNamespace(auto_create_handle_loop=lambda: None,
+                                  get_weights_by_name_communicator=communicator)
+        read = sgl.method(self.MIXIN, "TokenizerControlMixin", "get_weights_by_name", ns)
+        manager.get_weights_by_name = lambda obj, request: read(manager, obj, request)
+        http = {"ORJSONResponse": _Response, "HTTPStatus": HTTPStatus, "__name__": "sglang_http_subset",
+                "_global_state": SimpleNamespace(tokenizer_manager=manager)}
+        _from_source(sgl.HTTP_SERVER, "_create_error_response", http)
+        self._route = _from_source(sgl.HTTP_SERVER, "get_weights_by_name", http)
+
+    def answer(self, body: dict) -> _Response:
+        obj = sgl.validate_body(sgl.request_classes()["GetWeightsByNameReqInput"], body)
+        return asyncio.run(self._route(obj, None))
+
+
+def _as_sglang_llama(model) -> SimpleNamespace:
+    """A Hugging Face Qwen2/Llama model's weights as SGLang's ``LlamaForCausalLM`` holds them on
+    one rank: ``q/k/v_proj`` stacked into ``qkv_proj``, ``gate/up_proj`` into
+    ``gate_up_proj`` (rows in that order), with its ``get_weights_by_name`` from the wheel."""
+    import functools
+
+    mapping = ast.literal_eval(sgl.init_assignments("sglang.srt.models.llama", "LlamaForCausalLM")[0]
+                               ["stacked_params_mapping"][0])
+    hf = dict(model.named_parameters())
+    params = {}
+    for name, t in hf.items():
+        stacked = [(p, w) for p, w, _ in mapping if w in name]
+        if not stacked:
+            params[name] = t.detach()
+        elif stacked[0][1] in (".q_proj", ".gate_proj"):  # the first shard builds the stack
+            shards = [w for p, w, _ in mapping if p == stacked[0][0]]
+            params[name.replace(stacked[0][1], stacked[0][0])] = torch.cat(
+                [hf[name.replace(stacked[0][1], w)].detach() for w in shards])
+    standin = SimpleNamespace(config=model.config, stacked_params_mapping=mapping, modules=lambda: [],
+                              named_parameters=lambda: iter(params.items()),
+                              model=SimpleNamespace(embed_tokens=SimpleNamespace(
+                                  weight=hf["model.embed_tokens.weight"])))
+    ns = {"torch": torch, "logger": SimpleNamespace(info=lambda *a: None, error=lambda *a: None),
+          "get_exception_traceback": lambda: "", "__name__": "sglang_llama"}
+    read = sgl.method("sglang.srt.models.llama", "LlamaForCausalLM", "get_weights_by_name", ns)
+    standin.get_weights_by_name = functools.partial(read, standin)
+    return standin
+
+
+def test_cpu_engine_serves_weights_by_name_as_the_release(engine, tiny_path):
+    """For the same weights, the engine's ``/get_weights_by_name`` answers what SGLang's own
+    code answers for a model that serves the route (``LlamaForCausalLM``, whose layout the
+    tiny Qwen2 shares): the first ``truncate_size`` rows as float32, stacked parameters
+    read by their checkpoint names; and, for a name the model lacks, the same 400. SGLang's
+    ``Qwen2ForCausalLM`` defines no ``get_weights_by_name`` and inherits none: on the pinned
+    release every name of a Qwen2 model gets that 400."""
+    from rl.model import load_model
+
+    model = load_model(tiny_path)
+    sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 20, backend="gloo",
+                         timeout_s=60)
+    sync.connect([EngineClient(engine, "engine-0", timeout_s=60)])
+    try:
+        sync.push(model.named_parameters(), 11)  # the engine holds exactly `model`
+    finally:
+        sync.close()
+    llama = WeightsByName(_as_sglang_llama(model))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.bias",
+                 "model.layers.1.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"):
+        for body in ({"name": name}, {"name": name, "truncate_size": 3}, {"name": name, "truncate_size": 0}):
+            want = llama.answer(body)
+            r = requests.post(engine + "/get_weights_by_name", json=body, timeout=60)
+            assert want.status_code == r.status_code == 200 and r.json() == want.content, (body, r.text)
+    failed = (400, {"error": {"message": "Get parameter by name failed"}})
+    r = requests.post(engine + "/get_weights_by_name", json={"name": "model.nope.weight"}, timeout=60)
+    want = llama.answer({"name": "model.nope.weight"})
+    assert (want.status_code, want.content) == (r.status_code, r.json()) == failed
+    assert not sgl.defines(sgl.QWEN2, "Qwen2ForCausalLM", "get_weights_by_name")
+    assert sgl.base_names(sgl.QWEN2, "Qwen2ForCausalLM") == ["nn.Module"]
+    qwen2 = WeightsByName(SimpleNamespace(modules=lambda: []))  # no get_weights_by_name
+    want = qwen2.answer({"name": "model.norm.weight"})
+    assert (want.status_code, want.content) == failed

@@ -192,6 +192,11 @@ class EngineClient:
                       ok_404=True)  # older SGLang versions lack it
 
     def get_weights_by_name(self, name: str, truncate_size: int = 1 << 30) -> list:
+        """``/get_weights_by_name``: the parameter's first ``truncate_size`` rows (entries of
+        a vector) as float32 values; all of it by default (SGLang's default is 100). SGLang
+        0.5.23 serves it only for models that define ``get_weights_by_name`` (Llama does,
+        Qwen2 does not): otherwise, as for an unknown name, ``EngineError`` with status 400
+        and "Get parameter by name failed"."""
         return self._request("POST", "/get_weights_by_name",
                              {"name": name, "truncate_size": truncate_size})
 

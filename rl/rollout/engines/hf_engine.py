@@ -214,7 +214,12 @@ class HFEngine:
         group.destroy()
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        param = self.params.get(name)
+        """SGLang's semantics (``LlamaForCausalLM.get_weights_by_name``, the reference the
+        route's models follow): the parameter's first ``truncate_size`` rows (entries of a
+        vector) as float32 values, names as the checkpoint spells them; a tied output layer
+        (``lm_head.weight``) reads as the input embedding. ``ValueError`` for an unknown name."""
+        # remove_duplicate=False: a tied lm_head.weight is listed beside the embedding it is
+        param = dict(self.model.named_parameters(remove_duplicate=False)).get(name)
         if param is None:
             raise ValueError(f"no parameter {name!r}")
         with self.lock:

@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
 import os
 import queue
 import threading
@@ -41,6 +42,8 @@ from aiohttp import web
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.protocol import ContractError, answer, parse_generate
 from rl.rollout.engines.sampling import RequestError, as_bool, as_int, as_list, as_str
+
+logger = logging.getLogger(__name__)
 
 # Both modes let the running batch finish and hold queued requests; they differ in what
 # /flush_cache counts as busy (SGLang: `is_fully_idle(ignore_waiting=paused)`, where
@@ -237,6 +240,9 @@ def _shapes(where, v):
     return as_list(where, v, lambda w, s: as_list(w, s, as_int))
 
 
+WEIGHTS_UNSERVED = "Get parameter by name failed"
+"""SGLang's answer (HTTP 400) to a ``/get_weights_by_name`` its model cannot serve."""
+
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` default: ``/health_generate`` answers 503 after it."""
 
@@ -396,12 +402,16 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
     @routes.route("GET", "/get_weights_by_name")
     @routes.route("POST", "/get_weights_by_name")
     async def weights_by_name(request):
+        """SGLang's ``GetWeightsByNameReqInput`` (``name``, ``truncate_size`` rows, default
+        100); a name it cannot serve gets SGLang's one answer, whatever the reason (its
+        model logs the reason; so does this engine)."""
         b = await _body(request)
         name, size = _field(b, "name", as_str), _field(b, "truncate_size", as_int, 100)
         try:
             values = await run_blocking(engine.get_weights_by_name, name, size)
         except ValueError as e:
-            raise RequestError(str(e)) from None
+            logger.error("get_weights_by_name(%r): %s", name, e)
+            raise RequestError(WEIGHTS_UNSERVED) from None
         return web.json_response(values)
 
     @routes.route("POST", "/generate")

@@ -10,7 +10,8 @@ default; fields that only steer SGLang's routing, caching or metrics (``extra_ke
 ``routed_experts_start_len``) are type-checked and ignored. Batching follows
 ``GenerateReqInput``: ``input_ids`` or ``text``, one prompt or a list; ``n`` samples of each
 prompt come back prompt-major (``tokenizer_manager._handle_batch_request``), so one prompt
-with ``n > 1`` answers a list. Answers carry ``GenerateResponse`` / ``GenerateMetaInfo``.
+with ``n > 1`` answers a list. Answers carry ``GenerateResponse`` / ``GenerateMetaInfo``, with
+the weight version and its span over the output tokens (``weight_versions``).
 """
 
 from __future__ import annotations
@@ -310,8 +311,12 @@ def answer(g: Generate, i: int, res: GenResult, e2e_latency_s: float, tokenizer)
         meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in
                                          zip(res.logprobs, res.output_ids, texts)]
         meta["output_token_logprobs_length"] = len(res.output_ids)
-    meta.update({"reasoning_tokens": 0, "completion_tokens": len(res.output_ids),
-                 "cached_tokens": 0, "e2e_latency": e2e_latency_s})
+    meta.update({"reasoning_tokens": 0, "completion_tokens": len(res.output_ids), "cached_tokens": 0,
+                 # SGLang's spans (utils/weight_versions.py): one here, as a batch runs to its
+                 # end under one version (a pause waits for it)
+                 "weight_versions": [{"version": res.weight_version, "start": 0,
+                                      "end": len(res.output_ids)}],
+                 "e2e_latency": e2e_latency_s})
     out = {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
     if g.return_prompt_token_ids:
         out["prompt_token_ids"] = req.input_ids

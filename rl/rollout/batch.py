@@ -1,0 +1,107 @@
+"""The step's batch, from the engines' answers to the learners' partitions (pure functions).
+
+``build_batch`` turns SGLang ``/generate`` answers into a ``RolloutBatch``: tokens and
+log-probs exactly as sampled, rewards, GRPO advantages, and each sample's weight version,
+the oldest it saw (``sample_weight_version``); ``zero_std_groups`` counts (and may mask) the
+groups without a learning signal; ``split_balanced`` splits the batch over the learner ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from rl.algo import grpo_advantages
+from rl.tasks import Prompt
+from rl.types import RolloutBatch
+
+
+def zero_std_groups(batch: RolloutBatch, group_size: int, drop: bool) -> int:
+    """Count the groups whose rewards are all equal (zero advantage: no policy gradient);
+    with ``drop``, take their samples out of the loss. Masked rather than removed, so that
+    every learner rank still gets a partition of the same size, as FSDP requires; a step
+    whose every group is dropped is stored, removed and logged like any other, and the
+    learners skip its optimizer steps."""
+    r_gn = batch.rewards.reshape(-1, group_size)
+    flat_g = (r_gn == r_gn[:, :1]).all(axis=1)
+    if drop:
+        for i in np.flatnonzero(np.repeat(flat_g, group_size)):
+            batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
+    return int(flat_g.sum())
+
+
+def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
+    """Indices split into ``parts`` lists of equal size (len divisible by parts), balancing
+    the summed lengths: longest first, each to the lightest part that still has room."""
+    n = len(lengths)
+    assert n % parts == 0, (n, parts)
+    cap = n // parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(n), key=lambda i: -int(lengths[i])):
+        p = min((p for p in range(parts) if len(out[p]) < cap), key=load.__getitem__)
+        out[p].append(i)
+        load[p] += int(lengths[i])
+    return [sorted(o) for o in out]
+
+
+def build_batch(prompts: list[Prompt], prompt_ids: list[list[int]], answers: list[list[dict]],
+                reward: Callable[[str, str, bool], float], *, group_size: int, std_norm: bool,
+                first_sample_id: int) -> RolloutBatch:
+    """The training batch of one step: each prompt's answers (SGLang ``/generate`` answers,
+    grouped by prompt), scored by ``reward(text, label, finished)``, with GRPO advantages over
+    each group of ``group_size`` and sample ids counted from ``first_sample_id``."""
+    tokens, masks, logps, plen, rlen, rewards = [], [], [], [], [], []
+    groups, reasons, labels, versions = [], [], [], []
+    for prompt, ids, group in zip(prompts, prompt_ids, answers):
+        for ans in group:
+            meta = ans["meta_info"]
+            out_ids = [int(t) for t in ans["output_ids"]]
+            lp = [float(x[0]) for x in meta["output_token_logprobs"]]
+            if len(lp) != len(out_ids):
+                raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(out_ids)} tokens")
+            finished = meta["finish_reason"]["type"] == "stop"
+            tokens.append(np.asarray(ids + out_ids, dtype=np.int32))  # exactly as sampled
+            masks.append(np.ones(len(out_ids), dtype=np.int8))
+            logps.append(np.asarray(lp, dtype=np.float32))
+            plen.append(len(ids))
+            rlen.append(len(out_ids))
+            rewards.append(reward(ans["text"], prompt.label, finished))
+            groups.append(prompt.index)
+            reasons.append("stop" if finished else "length")
+            labels.append(prompt.label)
+            versions.append(sample_weight_version(meta))
+    n = len(tokens)
+    rewards_np = np.asarray(rewards, dtype=np.float32)
+    return RolloutBatch(
+        tokens=tokens, loss_mask=masks, rollout_logprobs=logps,
+        prompt_len=np.asarray(plen, dtype=np.int32), response_len=np.asarray(rlen, dtype=np.int32),
+        rewards=rewards_np, advantages=grpo_advantages(rewards_np, group_size, std_norm),
+        group_id=np.asarray(groups, dtype=np.int64),
+        sample_id=np.arange(first_sample_id, first_sample_id + n, dtype=np.int64),
+        weight_version=np.asarray(versions, dtype=np.int64),
+        finish_reason=reasons, label=labels)
+
+
+def sample_weight_version(meta: dict) -> int:
+    """The oldest weight version an answer was generated with (-1: an engine not yet synced).
+
+    SGLang (0.5.23, ``utils/weight_versions.py``) sets ``meta_info.weight_version`` to the
+    newest version a request saw, and lists every version with the output tokens it
+    produced in ``meta_info.weight_versions`` (``{version, start, end}`` spans, one per
+    version, in token order). A request begun under v and finished under v + 1 (a sync
+    while it was retracted or paused in place) counts as v: staleness is bounded by the
+    oldest tokens a sample holds. Servers without the spans (older releases) give the one
+    ``weight_version``."""
+    spans = meta.get("weight_versions")
+    if spans:
+        return min(_version_number(span["version"]) for span in spans)
+    return _version_number(meta.get("weight_version"))
+
+
+def _version_number(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1  # engine not yet synced ("default")
