@@ -2,10 +2,11 @@
 
 PUT runs in a producer process (the rollout manager's place), GET in a consumer process
 (a learner rank's place); both are Ray actors, and every store is built as train.py builds
-it: the backend's config from ``rl.config.transfer.BACKENDS`` (Hydra overrides), the
-driver's ``start_services``, then the config's own ``build`` in each process. The payload is
-a GRPO-shaped rollout batch (``rl.types.RolloutBatch``): N samples of 64..4096 tokens with
-token ids, loss masks, log-probs, rewards, lengths, ids and short strings.
+it: the backend's config from ``rl.config.transfer.BACKENDS`` (Hydra overrides), then
+through ``rl.backends.data_path`` the driver's ``start_services`` and ``build`` in each
+process. The payload is a GRPO-shaped rollout batch (``rl.types.RolloutBatch``): N samples
+of 64..4096 tokens with token ids, loss masks, log-probs, rewards, lengths, ids and short
+strings.
 
 Two Mooncake layouts (``--layouts``):
 
@@ -47,6 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from benchmarks.transfer_sides import (  # noqa: E402
     GET_PARTS, PUT_PARTS, Consumer, Producer, make_payload, transfer_config)
+from rl.backends import data_path  # noqa: E402
 from rl.config.transfer import BACKENDS  # noqa: E402  (every registered data path)
 
 LAYOUTS = ("training", "producer-lends")
@@ -90,7 +92,7 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
         for backend, layout in cases:
             transfer = transfer_config(backend, args.chunk_bytes, segment, masters.get(f"{backend}/{layout}"))
             # the driver's side of train.py: check the environment, resolve the master
-            services, stop = transfer.start_services(
+            services, stop = data_path(transfer).start_services(
                 Runtime("bench", "/tmp/transfer_bench", "/unused"), num_nodes=num_nodes,
                 bytes_per_step=max(nbytes.values()))
             assert stop is None, "the benchmark starts the master itself"
@@ -256,7 +258,7 @@ def _alive_nodes() -> int:
 
 def start_masters(host: str, args, log: str) -> dict:
     """One Mooncake master per Mooncake case on ``host`` (free ports), keyed ``backend/layout``."""
-    from transfer.data.mooncake_master import MooncakeMaster
+    from transfer.data.mooncake.master import MooncakeMaster
 
     masters = {}
     try:

@@ -1,7 +1,7 @@
 """The two ends of a transfer-benchmark case (``benchmarks/transfer_bench.py``): the payload,
-a producer and a consumer actor whose stores are built by the backend's own config as a
-train.py process builds them, and the probes around each PUT and GET (each Mooncake call
-of the packed codec timed, the interfaces' byte counters read)."""
+a producer and a consumer actor whose stores are built from the backend's config by
+``rl.backends.data_path`` as a train.py process builds them, and the probes around each PUT
+and GET (each Mooncake call of the packed codec timed, the interfaces' byte counters read)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import time
 
 import numpy as np
 
+from rl.backends import data_path
 from rl.config.transfer import BACKENDS
+from transfer.data.mooncake import MooncakeStore
 
 PUT_PARTS = ("encode", "batch_is_exist", "batch_put_from", "put_from")
 GET_PARTS = ("batch_get_into", "decode")
@@ -100,13 +102,11 @@ class _TimedClient:
 
 
 class _Side:
-    """One end of a case: a store client built by the config's own ``build``, as a train.py
-    process builds it (``lend``: contribute_segment, learner local rank 0 only)."""
+    """One end of a case: a store client built from the config by ``data_path``, as a
+    train.py process builds it (``lend``: contribute_segment, learner local rank 0 only)."""
 
     def __init__(self, transfer, runtime, lend: bool, timed: bool) -> None:
-        from transfer.data.mooncake_store import MooncakeStore
-
-        self.store = transfer.build(runtime, contribute_segment=lend)
+        self.store = data_path(transfer).build(runtime, contribute_segment=lend)
         self.timed = None
         if timed and isinstance(self.store, MooncakeStore):  # the packed codec
             self.timed = self.store.client = _TimedClient(self.store.client)

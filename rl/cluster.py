@@ -15,10 +15,12 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+from rl.backends import data_path, weight_path
 from rl.config import Config
 from rl.faults import (EngineFaults, EngineUpdateFailed, LearnerDied, death_reason, first_line,
                        learner_death, pid_and_node)
 from rl.runtime import Runtime
+from rl.weight_checks import ContentCheck, check_names
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,6 +43,7 @@ class Cluster:
         self._stop_services = None
         self.watchdog = None  # set by __enter__: the entry points' runs watch their dependencies
         self.faults = EngineFaults(self)
+        self.content_check: ContentCheck | None = None  # set by start()
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -48,12 +51,13 @@ class Cluster:
         from ray.util.placement_group import placement_group
 
         cfg = self.cfg
+        data = data_path(cfg.transfer)
         env = {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads), "TOKENIZERS_PARALLELISM": "false",
                "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING"),  # Mooncake logs INFO by default
                "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         if not ray.is_initialized():
             if _starts_local_ray(cfg.cluster.address):  # a one-node Ray of our own: check first
-                cfg.transfer.check_environment(1, estimate_step_bytes(cfg), self.batches_held)
+                data.check_environment(1, estimate_step_bytes(cfg), self.batches_held)
             ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
                      include_dashboard=False, runtime_env={"env_vars": env},
                      logging_level="WARNING")
@@ -62,12 +66,12 @@ class Cluster:
 
         check_nodes(cfg.cluster, ray.nodes())  # a missing node or resource, named, before any worker
         num_nodes = len([n for n in ray.nodes() if n["Alive"]])
-        if num_nodes > 1 and cfg.transfer.node_env:  # what each node exported before `ray start`
+        if num_nodes > 1 and data.node_env:  # what each node exported before `ray start`
             from rl.nodes import node_environments
 
-            for node, node_env in node_environments(cfg.transfer.node_env).items():
-                cfg.transfer.check_node_env(node, node_env, num_nodes)
-        services, self._stop_services = cfg.transfer.start_services(
+            for node, node_env in node_environments(data.node_env).items():
+                data.check_node_env(node, node_env, num_nodes)
+        services, self._stop_services = data.start_services(
             self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
         self.runtime = dataclasses.replace(self.runtime, transfer=services)
         c = cfg.cluster
@@ -83,7 +87,7 @@ class Cluster:
                                          strategy="PACK")
             self._pgs = [engine_pg, learner_pg]
         _wait_ready(self._pgs, timeout_s=60)
-        self.store = cfg.transfer.build(self.runtime)
+        self.store = data.build(self.runtime)
         engines_started = self._launch_engines(engine_pg, env)
         # the learner ranks set up while the engines start: both load the model (on GPUs, each
         # takes tens of seconds), and neither needs the other until the weight plan below
@@ -93,10 +97,12 @@ class Cluster:
         # the first engine's bundle: Ray would otherwise place it on any node
         self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls, _in_bundle(engine_pg, 0))
         self.learners.wait_set_up()
-        plan = cfg.weights.describe_plan(c.num_learners, self.engine_clients())
+        plan = weight_path(cfg.weights).describe_plan(c.num_learners, self.engine_clients())
         print(f"[weights] {cfg.weights.name} plan: {plan}", flush=True)
         with open(os.path.join(self.runtime.output_dir, "weights_plan.txt"), "w") as f:
             f.write(f"weights={cfg.weights.name}: {plan}\n")
+        # before the first push: names an engine's loader would drop are refused here
+        self.content_check = check_names(self.learners, self.engine_clients(), cfg.model.dtype)
         self.learners.connect_engines(self.engine_clients())
         return self
 
@@ -146,8 +152,12 @@ class Cluster:
         """The learners' weights to every engine, as ``version``; with fault tolerance, dead
         engines are replaced first, and on a death during the push (``rl.faults``)."""
         if not self.cfg.rollout.fault_tolerance:
-            return self.learners.push_weights(version=version)
-        return self.faults.push_weights(version)
+            metrics = self.learners.push_weights(version=version)
+        else:
+            metrics = self.faults.push_weights(version)
+        if self.content_check is not None:  # the first pushes are read back (rl.weight_checks)
+            self.content_check.after_push(self.learners, self.engine_clients(), version)
+        return metrics
 
     # -- stop --------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 60) -> None:
@@ -402,6 +412,12 @@ class LearnerGroup:
 
     def train(self, ref) -> dict[str, float]:
         return self._all("train", ref)[0]
+
+    def run(self, fn, *args, rank0_only: bool = False) -> Any:
+        """``fn(learner, *args)`` on every rank, in order with the ranks' other calls, and
+        rank 0's answer; ``rank0_only`` for a ``fn`` that runs no collective."""
+        actors = self.actors[:1] if rank0_only else self.actors
+        return self._gather([a.__ray_call__.remote(fn, *args) for a in actors])[0]
 
     def connect_engines(self, receivers: list) -> None:
         self._all("connect_engines", receivers)

@@ -12,7 +12,7 @@ mkdir -p "$state"
 source scripts/node_env.sh
 node_env "$ip" "$ip"  # this node hosts the master
 # The master first: the first job's clients connect to it as soon as they start.
-nohup python -m transfer.data.mooncake_master --host "$ip" --log "$state/mooncake_master.log" \
+nohup python -m transfer.data.mooncake.master --host "$ip" --log "$state/mooncake_master.log" \
     > "$state/mooncake_master.out" 2>&1 &
 echo $! > "$state/mooncake_master.pid"
 for _ in $(seq 150); do  # the launcher prints "Serving" once the master answers

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rl.backends import data_path
+
 
 def _tensor(x) -> torch.Tensor:
     """A tensor as is; a numpy array (maybe read-only, as Ray returns them) as a copy."""
@@ -64,7 +66,7 @@ def assert_each_sample_on_one_rank(cluster, ref, expected: int) -> None:
     """The partitions cover the step's samples exactly once, evenly, as the engines sampled them."""
     from rl.types import RolloutBatch
 
-    store = cluster.cfg.transfer.build(cluster.runtime)
+    store = data_path(cluster.cfg.transfer).build(cluster.runtime)
     try:
         parts = [RolloutBatch.from_columns(store.get(p)) for p in ref.partitions]
         ids = np.concatenate([p.sample_id for p in parts])

@@ -1,6 +1,6 @@
 """The conformance suite every rollout-data backend passes, built the way ``train.py`` builds
-its stores: from a ``transfer`` config, through ``start_services`` on the driver and
-``build`` in each process (a segment holder that lends memory as learner local rank 0
+its stores: from a ``transfer`` config, through ``rl.backends.data_path``: ``start_services``
+on the driver and ``build`` in each process (a segment holder that lends memory as learner local rank 0
 does, a producer here as the rollout manager, a consumer in another process, a Ray actor,
 as a learner rank).
 
@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import pytest
 
+from rl.backends import data_path
 from tests.conftest import wait_until
 from tests.test_codec import assert_same
 from tests.test_learner import make_batch
@@ -28,10 +29,12 @@ from transfer.data.base import RemovedError, RolloutStore, StoreRef
 
 
 class Consumer:
-    """Runs in another process: builds its own store from the config and reads refs."""
+    """Runs in another process: builds its own store from the driver's ``DataPath`` (which
+    carries the config; a backend that a test registers is in the driver's registry only)
+    and reads refs."""
 
-    def __init__(self, transfer, runtime):
-        self.store = transfer.build(runtime)
+    def __init__(self, path, runtime):
+        self.store = path.build(runtime)
 
     def get(self, ref):
         cols = self.store.get(ref)
@@ -70,7 +73,7 @@ def ray_holds(services: dict, ref: StoreRef) -> bool:
 
 def mooncake_holds(services: dict, ref: StoreRef) -> bool:
     """Keys under the ref's key on the master (the bundle codec writes '_' for '/')."""
-    from transfer.data.mooncake_master import list_keys
+    from transfer.data.mooncake.master import list_keys
 
     return any(ref.key in k or ref.key.replace("/", "_") in k
                for k in list_keys(services["admin_url"]))
@@ -108,13 +111,14 @@ def open_case(label: str, transfer, runtime_dir: str, ray,
     from rl.runtime import Runtime
 
     runtime = Runtime(f"conf-{label}", runtime_dir, "/unused")
-    services, stop = transfer.start_services(runtime, num_nodes=1, bytes_per_step=bytes_per_step)
+    path = data_path(transfer)
+    services, stop = path.start_services(runtime, num_nodes=1, bytes_per_step=bytes_per_step)
     runtime = dataclasses.replace(runtime, transfer=services)
     holder = producer = consumer = None
     try:
-        holder = transfer.build(runtime, contribute_segment=True)
-        producer = transfer.build(runtime)
-        consumer = ray.remote(Consumer).remote(transfer, runtime)
+        holder = path.build(runtime, contribute_segment=True)
+        producer = path.build(runtime)
+        consumer = ray.remote(Consumer).remote(path, runtime)
         held = None if probe is None else (lambda ref: probe(services, ref))
         yield StoreCase(label, transfer, producer, consumer, held, services)
     finally:

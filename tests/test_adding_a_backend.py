@@ -1,7 +1,7 @@
 """The steps of docs/transfer.md, "Adding a backend", done inside this file and nowhere else:
-a store class, a schema class, a YAML and a registry entry for a throwaway in-memory data
-path; then ``transfer=memory`` composes like any built-in backend and the conformance
-suite (``tests/store_suite.py``) passes over it."""
+a store with what starts it, a schema class, its entry in ``rl.backends``, a YAML and a
+registry entry for a throwaway in-memory data path; then ``transfer=memory`` composes like
+any built-in backend and the conformance suite (``tests/store_suite.py``) passes over it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Sequence
 import pytest
 
 import rl.config.transfer as transfer_configs
+from rl import backends
+from rl.backends import DataPath
 from rl.config.transfer import TransferConfig
 from tests.conftest import compose, wait_until
 from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
@@ -22,7 +24,7 @@ from transfer.data import codec
 from transfer.data.base import Columns, RemovedError, StoreRef
 
 
-# -- 1. the store: one file in transfer/data/ in real life -----------------------------------
+# -- 1. the store and what starts it: one file in transfer/data/ in real life -----------------
 class Shelf:
     """A Ray actor holding encoded batches in its memory: the whole backend."""
 
@@ -82,6 +84,15 @@ class MemoryStore:
             raise ValueError(f"ref {ref.key!r} was written by {ref.backend!r}, not by memory")
 
 
+def start_shelf(name: str):
+    """The backend's service, from plain values: the settings every client needs and a stop."""
+    import ray
+
+    shelf = ray.remote(Shelf).options(name=name).remote()
+    ray.get(shelf.keys.remote())  # up before anyone looks it up
+    return {"shelf": name}, lambda: ray.kill(shelf)
+
+
 # -- 2. the schema: a class in rl/config/transfer.py, one entry in its SCHEMAS ----------------
 @dataclass(kw_only=True)
 class MemoryTransferConfig(TransferConfig):
@@ -89,19 +100,19 @@ class MemoryTransferConfig(TransferConfig):
     shelf_prefix: str = "rl-shelf"
     """Name prefix of the actor that holds the data."""
 
-    def start_services(self, runtime, num_nodes, bytes_per_step, batches_held=1):
-        import ray
 
-        name = f"{self.shelf_prefix}-{runtime.run_id}"
-        shelf = ray.remote(Shelf).options(name=name).remote()
-        ray.get(shelf.keys.remote())  # up before anyone looks it up
-        return {"shelf": name}, lambda: ray.kill(shelf)
+# -- 3. the glue: a DataPath in rl/backends.py, one entry in its DATA_PATHS -------------------
+class MemoryDataPath(DataPath):
+    cfg: MemoryTransferConfig
+
+    def start_services(self, runtime, num_nodes, bytes_per_step, batches_held=1):
+        return start_shelf(f"{self.cfg.shelf_prefix}-{runtime.run_id}")
 
     def build(self, runtime, *, contribute_segment=False):
         return MemoryStore(runtime.transfer["shelf"])
 
 
-# -- 3. the YAML: conf/transfer/memory.yaml ---------------------------------------------------
+# -- 4. the YAML: conf/transfer/memory.yaml ---------------------------------------------------
 YAML = """\
 defaults:
   - /schema/transfer/memory@_here_
@@ -120,14 +131,15 @@ def shelf_holds(services: dict, ref: StoreRef) -> bool:
 
 @pytest.fixture(scope="module")
 def memory_backend(tmp_path_factory):
-    """Registers the backend as a real one is registered (schema, YAML, BACKENDS entry) and
-    takes it out again afterwards; returns its label."""
+    """Registers the backend as a real one is registered (schema, DATA_PATHS entry, YAML,
+    BACKENDS entry) and takes it out again afterwards; returns its label."""
     conf = tmp_path_factory.mktemp("conf")
     (conf / "transfer").mkdir()
     (conf / "transfer" / "memory.yaml").write_text(YAML)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(transfer_configs.SCHEMAS, "memory", MemoryTransferConfig)
-        # 4. the registry entry: what the conformance suite, the matrices and the benchmark read
+        mp.setitem(backends.DATA_PATHS, MemoryTransferConfig, MemoryDataPath)
+        # 5. the registry entry: what the conformance suite, the matrices and the benchmark read
         mp.setitem(transfer_configs.BACKENDS, "memory",
                    ["transfer=memory", f"hydra.searchpath=[file://{conf}]"])
         mp.setitem(PROBES, MemoryTransferConfig, shelf_holds)  # the suite's leak check
@@ -138,6 +150,7 @@ def test_the_new_backend_composes_like_a_built_in_one(memory_backend):
     overrides = transfer_configs.BACKENDS[memory_backend]
     cfg = compose(*overrides, "transfer.shelf_prefix=other")
     assert isinstance(cfg.transfer, MemoryTransferConfig)
+    assert isinstance(backends.data_path(cfg.transfer), MemoryDataPath)
     assert (cfg.transfer.name, cfg.transfer.shelf_prefix) == ("memory", "other")
     with pytest.raises(Exception, match="no_such_field"):
         compose(*overrides, "transfer.no_such_field=1")  # the schema is enforced

@@ -24,7 +24,7 @@ from rl.config.transfer import BACKENDS, MooncakeTransferConfig
 from tests.conftest import REPO, compose, pids_with, read_until, running
 from tests.helpers import combination_halves
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics
-from transfer.data.mooncake_master import MooncakeMaster
+from transfer.data.mooncake.master import MooncakeMaster
 
 COMBOS = combination_halves(BACKENDS)[1]  # tests/test_weights.py runs the other half
 

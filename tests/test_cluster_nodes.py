@@ -1,5 +1,5 @@
 """Bad two-node input is refused before any worker starts, naming what is missing; the
-driver's watchdog names a dependency that died; MOONCAKE_PROTOCOL is honoured."""
+driver's watchdog names a dependency that died."""
 
 from __future__ import annotations
 
@@ -72,19 +72,6 @@ def test_two_node_on_a_one_node_ray_is_refused_before_workers_start(tmp_path):
     assert_nothing_left([])  # Ray's idle workers exit after their raylet, on their own time
 
 
-def test_mooncake_protocol_env_is_honoured(monkeypatch):
-    from transfer.data.mooncake_bootstrap import resolve_protocol
-
-    assert compose("transfer=mooncake_tcp").transfer.protocol is None  # left to the env
-    assert compose("transfer=mooncake_rdma").transfer.protocol == "rdma"
-    monkeypatch.delenv("MOONCAKE_PROTOCOL", raising=False)
-    assert resolve_protocol(None) == "tcp"
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "rdma")
-    assert resolve_protocol(compose("transfer=mooncake_tcp").transfer.protocol) == "rdma"
-    assert resolve_protocol("rdma") == "rdma"
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    with pytest.raises(ValueError, match="transfer.protocol='rdma' but MOONCAKE_PROTOCOL='tcp'"):
-        resolve_protocol("rdma")
 
 
 def test_watchdog_names_a_port_that_stopped_listening():
@@ -138,17 +125,19 @@ _NODE_ENV_DRIVER = """
 import sys
 sys.path.insert(0, {repo!r})
 import ray
+from rl.backends import data_path
 from rl.config.transfer import MooncakeTransferConfig
 from rl.nodes import node_environments
 
 ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING",
          runtime_env={{"env_vars": {{"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}}}})
-envs = node_environments(MooncakeTransferConfig.node_env)
+envs = node_environments(data_path(MooncakeTransferConfig()).node_env)
 print("read", envs, flush=True)
 for node, env in envs.items():
-    MooncakeTransferConfig(local_hostname="10.0.0.5").check_node_env(node, env, num_nodes=2)  # the field wins
+    pinned = data_path(MooncakeTransferConfig(local_hostname="10.0.0.5"))
+    pinned.check_node_env(node, env, num_nodes=2)  # the field wins
     try:
-        MooncakeTransferConfig().check_node_env(node, env, num_nodes=2)
+        data_path(MooncakeTransferConfig()).check_node_env(node, env, num_nodes=2)
     except ValueError as e:
         print("refused:", e, flush=True)
 ray.shutdown()

@@ -24,7 +24,7 @@ from tests.cluster_checks import assert_each_sample_on_one_rank, assert_engines_
 from tests.conftest import REPO, compose, pids_with
 from tests.test_async import check_ledger, read_ledger
 from tests.test_e2e import assert_nothing_left, engine_ports, read_metrics
-from transfer.data.mooncake_master import MooncakeMaster
+from transfer.data.mooncake.master import MooncakeMaster
 
 LENGTH_TASK = ("task=jsonl", "task.reward._target_=tests.helpers.length_reward")
 FAST_CHECKS = ("rollout.health_check_interval_s=0.5", "rollout.health_check_timeout_s=3",
@@ -313,7 +313,7 @@ def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, t
         assert {int(v) for v in ref.weight_versions} == {2}
         cluster.store.remove(ref.partitions)
         if "admin_url" in cluster.runtime.transfer:  # Mooncake: no key left on the master
-            from transfer.data.mooncake_master import list_keys
+            from transfer.data.mooncake.master import list_keys
 
             assert list_keys(cluster.runtime.transfer["admin_url"]) == []
     finally:

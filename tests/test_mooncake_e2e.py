@@ -15,11 +15,12 @@ import time
 
 import pytest
 
+from rl.backends import data_path
 from rl.runtime import Runtime
 from tests.conftest import REPO, compose, own_ray_env, pids_with, read_until, running
 from tests.test_e2e import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
-from transfer.data.mooncake_master import MooncakeMaster
-from transfer.data.mooncake_client import explain_import_error
+from transfer.data.mooncake.client import explain_import_error
+from transfer.data.mooncake.master import MooncakeMaster
 
 SMALL = ["rollout.prompts_per_step=8", "logger=console"]
 
@@ -122,7 +123,7 @@ def test_loopback_hostname_with_several_nodes_is_refused(tmp_path):
     cfg = compose("transfer=mooncake_tcp", "transfer.local_hostname=127.0.0.1")
     runtime = Runtime("t", str(tmp_path), "/nonexistent")
     with pytest.raises(ValueError, match="a loopback address, but the Ray cluster has 2 nodes"):
-        cfg.transfer.start_services(runtime, num_nodes=2, bytes_per_step=1 << 20)
+        data_path(cfg.transfer).start_services(runtime, num_nodes=2, bytes_per_step=1 << 20)
 
 
 def test_capacity_check_counts_every_batch_held_at_once(tmp_path):
@@ -131,23 +132,23 @@ def test_capacity_check_counts_every_batch_held_at_once(tmp_path):
         cfg = compose("transfer=mooncake_tcp", "transfer.global_segment_size=16mb",
                       f"transfer.master_server_address=127.0.0.1:{listening.getsockname()[1]}")
         runtime = Runtime("t", str(tmp_path), "/x")
-        cfg.transfer.start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=1)
+        data_path(cfg.transfer).start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=1)
     with pytest.raises(ValueError, match=r"3 rollout batches held at once .* need about 25165824 bytes"):
-        cfg.transfer.start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=3)
+        data_path(cfg.transfer).start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=3)
 
 
 def test_no_master_on_several_nodes_says_what_to_start(tmp_path, monkeypatch):
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     cfg = compose("transfer=mooncake_tcp")
-    with pytest.raises(ValueError, match="python -m transfer.data.mooncake_master"):
-        cfg.transfer.start_services(Runtime("t", str(tmp_path), "/x"), num_nodes=2,
-                                    bytes_per_step=1 << 20)
+    with pytest.raises(ValueError, match="python -m transfer.data.mooncake.master"):
+        data_path(cfg.transfer).start_services(Runtime("t", str(tmp_path), "/x"), num_nodes=2,
+                                               bytes_per_step=1 << 20)
 
 
 def test_bootstrap_takes_plain_values_and_imports_nothing_from_rl():
     """The bootstrap sits in the transfer layer: plain values in, no ``rl`` module loaded."""
     code = ("import sys\n"
-            "from transfer.data import mooncake_bootstrap as b\n"
+            "from transfer.data.mooncake import bootstrap as b, client\n"
             "b.check_capacity(global_segment_size=16 << 20, bytes_per_step=8 << 20, batches_held=1,"
             " replica_num=2)\n"
             "try:\n"
@@ -155,7 +156,7 @@ def test_bootstrap_takes_plain_values_and_imports_nothing_from_rl():
             " batches_held=1, replica_num=3)\n"
             "except ValueError as e:\n"
             "    print(e)\n"
-            "print(b.parse_init_kwargs('{\"local_buffer_size\": \"2mb\"}'))\n"
+            "print(client.parse_init_kwargs('{\"local_buffer_size\": \"2mb\"}'))\n"
             "print(sorted(m for m in sys.modules if m == 'rl' or m.startswith('rl.')))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout.splitlines()

@@ -18,9 +18,8 @@ from tests.store_suite import (  # noqa: F401  (the suite's tests run here)
     test_results_of_earlier_gets_stay_intact, test_rollout_batch_round_trip, test_round_trip_across_processes,
     test_the_store_follows_the_protocol)
 from tests.test_codec import assert_same
-from transfer.data.mooncake_client import MooncakeSettings, StoreError, open_store
-from transfer.data.mooncake_master import MooncakeMaster, list_keys
-from transfer.data.mooncake_store import MooncakeStore
+from transfer.data.mooncake import MooncakeSettings, MooncakeStore, StoreError, open_store
+from transfer.data.mooncake.master import MooncakeMaster, list_keys
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))

@@ -79,7 +79,7 @@ def veth_bytes() -> dict[str, int]:
 
 
 def master_keys() -> list[str]:
-    code = f"from transfer.data.mooncake_master import list_keys; print(list_keys('http://{IP_A}:9003'))"
+    code = f"from transfer.data.mooncake.master import list_keys; print(list_keys('http://{IP_A}:9003'))"
     r = in_ns(NS_A, ["python", "-c", code], timeout=30)
     assert r.returncode == 0, r.stderr
     return eval(r.stdout)  # a list literal printed by our own code

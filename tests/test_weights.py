@@ -104,7 +104,7 @@ def test_each_data_path_and_weight_path_keep_engines_bit_identical(ray_module, t
             assert_engines_hold(cluster, after, step + 1)
         assert any(not np.array_equal(before[n], after[n]) for n in before)  # training moved them
         if "admin_url" in cluster.runtime.transfer:  # Mooncake: no key left on the master
-            from transfer.data.mooncake_master import list_keys
+            from transfer.data.mooncake.master import list_keys
 
             assert list_keys(cluster.runtime.transfer["admin_url"]) == []
     finally:

@@ -9,12 +9,14 @@ the root ``Config`` (cross-field checks), ``load`` and ``register_configs``.
 Leaf checks live in each ``__post_init__``; a check that depends on the backend is a method
 of the backend's schema (``RolloutConfig.check_cluster``) that the root calls, never a test
 of ``name`` here. Both run when the entry point converts the composed config with ``load``,
-before any worker starts. Each backend's schema builds its backend and imports heavy
-dependencies lazily.
+before any worker starts. The ``transfer`` and ``weights`` schemas hold values only: the
+code that checks, starts and builds their backends sits beside them in ``transfer/``, and
+``rl.backends`` maps each schema to it.
 
 A new backend of a group: a subclass in that group's module (or a module of its own beside
 it, for a long one), one entry in its ``SCHEMAS``, and a YAML under ``conf/<group>/`` whose
-``defaults`` start with ``/schema/<group>/<key>@_here_``.
+``defaults`` start with ``/schema/<group>/<key>@_here_``; for ``transfer`` and ``weights``,
+one entry in ``rl.backends`` too.
 """
 
 from __future__ import annotations

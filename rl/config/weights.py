@@ -1,19 +1,17 @@
 """``weights`` group: the weight path from the learners to the engines (after each update).
 
-Each schema builds its ``WeightSync`` sender and describes which learner rank sends to which
-engine."""
+Values and their checks only. Each sender (``transfer/weights/broadcast.py``, ``p2p.py``)
+builds from plain values and describes its own plan; ``rl.backends`` joins a schema here to it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import MISSING
 
 from rl.config.checks import parse_size, positive
-
-if TYPE_CHECKING:
-    from transfer.weights.base import WeightSync
 
 
 @dataclass(kw_only=True)
@@ -36,48 +34,19 @@ class WeightsConfig:
             raise ValueError(f"weights.backend={self.backend!r}: use auto, gloo or nccl")
         positive(self, "timeout_s")
 
-    def describe_plan(self, num_learners: int, receivers: list) -> str:
-        """Which learner rank sends to which engine (printed at start, saved in the run dir)."""
-        return "learner 0 -> " + ", ".join(r.name for r in receivers)
-
     def resolved_backend(self, on_gpu: bool) -> str:
+        """The side-group backend on learners with (``on_gpu``) or without GPUs."""
         return ("nccl" if on_gpu else "gloo") if self.backend == "auto" else self.backend
-
-    def build(self, *, rank: int, world_size: int, master_address: str, on_gpu: bool,
-              device: str) -> "WeightSync":
-        raise NotImplementedError
 
 
 @dataclass(kw_only=True)
 class BroadcastWeightsConfig(WeightsConfig):
     name: str = "broadcast"
 
-    def build(self, *, rank: int, world_size: int, master_address: str, on_gpu: bool,
-              device: str) -> "WeightSync":
-        from transfer.weights.broadcast import BroadcastSync
-
-        return BroadcastSync(rank=rank, master_address=master_address,
-                             bucket_bytes=self.bucket_bytes,
-                             backend=self.resolved_backend(on_gpu), timeout_s=self.timeout_s,
-                             device=device)
-
 
 @dataclass(kw_only=True)
 class P2PWeightsConfig(WeightsConfig):
     name: str = "p2p"
-
-    def describe_plan(self, num_learners: int, receivers: list) -> str:
-        from transfer.weights.p2p import format_plan, plan_p2p
-
-        return format_plan(plan_p2p(num_learners, receivers), receivers)
-
-    def build(self, *, rank: int, world_size: int, master_address: str, on_gpu: bool,
-              device: str) -> "WeightSync":
-        from transfer.weights.p2p import P2PSync
-
-        return P2PSync(rank=rank, world_size=world_size, master_address=master_address,
-                       bucket_bytes=self.bucket_bytes, backend=self.resolved_backend(on_gpu),
-                       timeout_s=self.timeout_s, device=device)
 
 
 SCHEMAS: dict[str, type] = {"broadcast": BroadcastWeightsConfig, "p2p": P2PWeightsConfig}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rl.algo import agg_count, agg_sum, entropy_bt, kl_penalty_bt, policy_loss_bt, token_logprobs
+from rl.backends import data_path, weight_path
 from rl.config import Config
 from rl.lazy import LazyModule
 from rl.learner import checkpoint
@@ -101,13 +102,13 @@ class Learner:
 
     def connect_store(self) -> None:
         """Open this rank's store client; local rank 0 of each node lends the node's segment."""
-        self.store = self.cfg.transfer.build(self.runtime,
-                                             contribute_segment=self.local_rank == 0)
+        self.store = data_path(self.cfg.transfer).build(self.runtime,
+                                                        contribute_segment=self.local_rank == 0)
 
     @property
     def weight_sync(self):
         if self._weight_sync is None:
-            self._weight_sync = self.cfg.weights.build(
+            self._weight_sync = weight_path(self.cfg.weights).build(
                 rank=self.rank, world_size=self.world_size, master_address=node_ip(),
                 on_gpu=self.on_gpu, device=str(self.device))
         return self._weight_sync

@@ -21,9 +21,10 @@ import time
 
 import numpy as np
 
-from rl.algo import grpo_advantages
+from rl.backends import data_path
 from rl.config import Config
 from rl.model import load_tokenizer
+from rl.rollout.batch import build_batch, split_balanced, zero_std_groups
 from rl.rollout.client import EngineClient, EngineError, EnginePool
 from rl.runtime import Runtime
 from rl.tasks import Prompt
@@ -47,7 +48,7 @@ class RolloutManager:
 
             self.monitor = HealthMonitor(self.pool, rc.health_check_interval_s, rc.health_check_timeout_s,
                                          rc.health_check_first_wait_s).start()
-        self.store = cfg.transfer.build(runtime)
+        self.store = data_path(cfg.transfer).build(runtime)
         self.next_sample_id = 0
         self._lock = threading.Lock()  # data position and sample ids (the stream thread draws too)
         self._stream: Stream | None = None
@@ -116,39 +117,12 @@ class RolloutManager:
 
     def _build_batch(self, prompts: list[Prompt], prompt_ids: list[list[int]],
                      answers: list[list[dict]]) -> RolloutBatch:
-        tokens, masks, logps, plen, rlen, rewards = [], [], [], [], [], []
-        groups, reasons, labels, versions = [], [], [], []
-        for prompt, ids, group in zip(prompts, prompt_ids, answers):
-            for ans in group:
-                meta = ans["meta_info"]
-                out_ids = [int(t) for t in ans["output_ids"]]
-                lp = [float(x[0]) for x in meta["output_token_logprobs"]]
-                if len(lp) != len(out_ids):
-                    raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(out_ids)} tokens")
-                finished = meta["finish_reason"]["type"] == "stop"
-                tokens.append(np.asarray(ids + out_ids, dtype=np.int32))  # exactly as sampled
-                masks.append(np.ones(len(out_ids), dtype=np.int8))
-                logps.append(np.asarray(lp, dtype=np.float32))
-                plen.append(len(ids))
-                rlen.append(len(out_ids))
-                rewards.append(self.task.reward(ans["text"], prompt.label, finished))
-                groups.append(prompt.index)
-                reasons.append("stop" if finished else "length")
-                labels.append(prompt.label)
-                versions.append(_version_number(meta.get("weight_version")))
-        n = len(tokens)
-        rewards_np = np.asarray(rewards, dtype=np.float32)
-        batch = RolloutBatch(
-            tokens=tokens, loss_mask=masks, rollout_logprobs=logps,
-            prompt_len=np.asarray(plen, dtype=np.int32), response_len=np.asarray(rlen, dtype=np.int32),
-            rewards=rewards_np,
-            advantages=grpo_advantages(rewards_np, self.cfg.rollout.n_samples_per_prompt,
-                                       self.cfg.algo.advantage_std_norm),
-            group_id=np.asarray(groups, dtype=np.int64),
-            sample_id=np.arange(self.next_sample_id, self.next_sample_id + n, dtype=np.int64),
-            weight_version=np.asarray(versions, dtype=np.int64),
-            finish_reason=reasons, label=labels)
-        self.next_sample_id += n
+        rc = self.cfg.rollout
+        batch = build_batch(prompts, prompt_ids, answers, self.task.reward,
+                            group_size=rc.n_samples_per_prompt,
+                            std_norm=self.cfg.algo.advantage_std_norm,
+                            first_sample_id=self.next_sample_id)
+        self.next_sample_id += len(batch)
         return batch
 
     def _put_partitions(self, batch: RolloutBatch, parts: list[list[int]], step: int) -> list:
@@ -419,9 +393,10 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
     default step's generation in HTTP and batching overhead (docs/benchmarks.md). SGLang
     expands ``n`` into ``n`` scheduler requests with their own ids
     (``tokenizer_manager._handle_batch_request``), so retract, pause and the abort on a
-    dropped connection still act on each sample, and each answer carries its own
-    ``weight_version``; a request per prompt (not one per batch) keeps SGLang's prefix
-    warm-up of each prompt concurrent, where a batch with ``n > 1`` runs them one by one."""
+    dropped connection still act on each sample, and each answer carries its own weight
+    versions (``rl.rollout.batch.sample_weight_version``); a request per prompt (not one per
+    batch) keeps SGLang's prefix warm-up of each prompt concurrent, where a batch with
+    ``n > 1`` runs them one by one."""
     import aiohttp
 
     total, done = len(prompt_ids) * n, 0
@@ -465,39 +440,3 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def zero_std_groups(batch: RolloutBatch, group_size: int, drop: bool) -> int:
-    """Count the groups whose rewards are all equal (zero advantage: no policy gradient);
-    with ``drop``, take their samples out of the loss. Masked rather than removed, so that
-    every learner rank still gets a partition of the same size, as FSDP requires; a step
-    whose every group is dropped is stored, removed and logged like any other, and the
-    learners skip its optimizer steps."""
-    r_gn = batch.rewards.reshape(-1, group_size)
-    flat_g = (r_gn == r_gn[:, :1]).all(axis=1)
-    if drop:
-        for i in np.flatnonzero(np.repeat(flat_g, group_size)):
-            batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
-    return int(flat_g.sum())
-
-
-def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
-    """Indices split into ``parts`` lists of equal size (len divisible by parts), balancing
-    the summed lengths: longest first, each to the lightest part that still has room."""
-    n = len(lengths)
-    assert n % parts == 0, (n, parts)
-    cap = n // parts
-    out: list[list[int]] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for i in sorted(range(n), key=lambda i: -int(lengths[i])):
-        p = min((p for p in range(parts) if len(out[p]) < cap), key=load.__getitem__)
-        out[p].append(i)
-        load[p] += int(lengths[i])
-    return [sorted(o) for o in out]
-
-
-def _version_number(v) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1  # engine not yet synced ("default")

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from transfer.data.base import Columns, StoreRef, columns_nbytes
-from transfer.data.mooncake_client import MooncakeClient, MooncakeSettings, StoreError, StoreRemovedError
+from transfer.data.mooncake.client import MooncakeClient, MooncakeSettings, StoreError, StoreRemovedError
 
 
 class MooncakeBundleStore(MooncakeClient):
@@ -25,18 +25,17 @@ class MooncakeBundleStore(MooncakeClient):
 
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
-        try:
-            from mooncake.structured_object_store import MooncakeBundleTransfer
+        try:  # an optional module of the optional wheel: imported when a bundle client is built
+            from mooncake.structured_object_store import MooncakeBundleTransfer, export_dataproto_ref
         except ImportError as e:
             self.close()
             raise ImportError(f"transfer.codec=bundle needs mooncake.structured_object_store, which "
                               f"this Mooncake wheel lacks ({e}); use transfer.codec=packed") from e
         self.bundle = MooncakeBundleTransfer(self.client, key_prefix="rl",
                                              default_chunk_bytes=settings.chunk_bytes)
+        self._export_ref = export_dataproto_ref
 
     def put(self, columns: Columns, *, key: str) -> StoreRef:
-        from mooncake.structured_object_store import export_dataproto_ref
-
         t0 = time.perf_counter()
         try:
             # bundle partitions allow no '/'; our keys use it as the namespace separator
@@ -49,7 +48,7 @@ class MooncakeBundleStore(MooncakeClient):
             raise StoreError(f"transfer.codec=bundle cannot store {key!r}: {e}{hint}") from e
         put_ms = (time.perf_counter() - t0) * 1e3
         return StoreRef(key=key, backend=self.backend, nbytes=columns_nbytes(columns),
-                        handle={"bundle": export_dataproto_ref(ref), "order": list(columns)},
+                        handle={"bundle": self._export_ref(ref), "order": list(columns)},
                         timings_ms={"put_ms": put_ms, "encode_ms": 0.0})
 
     def get(self, ref: StoreRef) -> Columns:

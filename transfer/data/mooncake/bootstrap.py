@@ -5,10 +5,14 @@ settings each client is then built with.
   resolve the protocol and device with their ``MOONCAKE_*`` fallbacks, refuse an RDMA
   device this machine lacks and a loopback hostname on several nodes, check that the
   segments hold what the run keeps in the store at once, and find or start the master (a
-  local one on 127.0.0.1 when no address is given on a single machine).
+  local one on 127.0.0.1 when no address is given on a single machine). ``preflight`` is
+  the part that starts nothing (it needs no Ray).
+* ``check_node_env``: what another node exported (``NODE_ENV``), read there by the driver.
 * ``client_settings``: one client's ``MooncakeSettings`` from what ``start_services``
   resolved and this process's own environment (read on each node).
-* ``parse_init_kwargs``: the extra ``setup`` keys, checked against what Mooncake knows.
+
+A ``MOONCAKE_*`` variable fills in only a setting that the config leaves unset: a value the
+user chose (``transfer=mooncake_tcp`` sets ``protocol: tcp``) is never overridden.
 
 Plain values in, plain values out: no config object, no ``Runtime`` (``transfer`` imports
 nothing from ``rl``). Error messages name the settings as a user of the trainer sets them
@@ -17,29 +21,40 @@ nothing from ``rl``). Error messages name the settings as a user of the trainer 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
-from transfer.units import human_size, parse_size
+from transfer.data.mooncake.client import (PROTOCOLS, MooncakeSettings, import_mooncake,
+                                           require_master)
+from transfer.data.mooncake.master import MooncakeMaster
+from transfer.units import human_size
 
-PROTOCOLS = ("tcp", "rdma")
+NODE_ENV = ("MOONCAKE_LOCAL_HOSTNAME",)
+"""Variables a client reads on its own node (exported there before ``ray start``); with
+several nodes the driver reads each node's values and hands them to ``check_node_env``."""
 
 
 def resolve_protocol(protocol: Optional[str]) -> str:
-    """``protocol``, else env MOONCAKE_PROTOCOL, else tcp. A set protocol that the exported
-    variable contradicts is refused: silently ignoring the variable hid a node set up for
-    RDMA running over TCP (or the reverse)."""
-    env = os.environ.get("MOONCAKE_PROTOCOL") or None
-    if protocol and env and env != protocol:
-        raise ValueError(f"transfer.protocol={protocol!r} but MOONCAKE_PROTOCOL={env!r} is exported "
-                         f"on this node: use transfer=mooncake_tcp (it follows MOONCAKE_PROTOCOL) "
-                         f"or transfer=mooncake_rdma, or unset MOONCAKE_PROTOCOL")
-    proto = protocol or env or "tcp"
+    """``protocol`` when the config sets it; else env MOONCAKE_PROTOCOL; else tcp. The
+    variable fills in only an unset field: ``transfer=mooncake_tcp`` (``protocol: tcp``)
+    stays TCP on a node that exports ``MOONCAKE_PROTOCOL=rdma``."""
+    proto, source = (protocol, "transfer.protocol") if protocol else \
+        (os.environ.get("MOONCAKE_PROTOCOL") or "tcp", "MOONCAKE_PROTOCOL")
     if proto not in PROTOCOLS:
-        raise ValueError(f"MOONCAKE_PROTOCOL={proto!r}: use tcp or rdma")
+        raise ValueError(f"{source}={proto!r}: use {' or '.join(PROTOCOLS)}")
     return proto
+
+
+def describe_protocol(protocol: Optional[str], device_name: Optional[str]) -> str:
+    """What this run uses and where it came from, for the driver's start-up line."""
+    proto, env = resolve_protocol(protocol), os.environ.get("MOONCAKE_PROTOCOL")
+    if not protocol:
+        where = " (MOONCAKE_PROTOCOL)" if env else " (the default)"
+    else:
+        where = f" (MOONCAKE_PROTOCOL={env} ignored: the config sets it)" if env and env != protocol else ""
+    device = resolve_device(device_name)
+    return f"protocol {proto}{where}" + (f", device {device}" if device else "")
 
 
 def resolve_device(device_name: Optional[str]) -> str:
@@ -65,10 +80,7 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
               master_server_address=master_server_address, local_hostname=local_hostname,
               protocol=protocol, device_name=device_name, global_segment_size=global_segment_size,
               replica_num=replica_num)
-    # transfer=mooncake_tcp follows MOONCAKE_PROTOCOL: say what this run actually uses
-    device = resolve_device(device_name)
-    print(f"[mooncake] protocol {resolve_protocol(protocol)}" + (f", device {device}" if device else ""),
-          flush=True)
+    print(f"[mooncake] {describe_protocol(protocol, device_name)}", flush=True)
     master = master_server_address or os.environ.get("MOONCAKE_MASTER")
     if master:
         metadata = (metadata_server or os.environ.get("MOONCAKE_METADATA_SERVER")
@@ -77,11 +89,9 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
     if num_nodes > 1:
         raise ValueError(
             f"transfer=mooncake_*: no master address and the Ray cluster has {num_nodes} "
-            "nodes. Start a master on one node: python -m transfer.data.mooncake_master "
+            "nodes. Start a master on one node: python -m transfer.data.mooncake.master "
             "--host <that node's IP>, then export MOONCAKE_MASTER=<ip>:50051 and "
             "MOONCAKE_METADATA_SERVER=http://<ip>:8080/metadata on every node before `ray start`")
-    from transfer.data.mooncake_master import MooncakeMaster
-
     m = MooncakeMaster("127.0.0.1", log_path=os.path.join(log_dir, "mooncake_master.log"))
     m.start(timeout_s=master_start_timeout_s)
     print(f"[mooncake] started a local master (pid {m.proc.pid}) at {m.address}; "
@@ -96,8 +106,6 @@ def preflight(*, num_nodes: int, bytes_per_step: int, batches_held: int,
               replica_num: int) -> None:
     """Every check that starts nothing: the wheel imports, the environment, the capacity, and
     an external master (the field or MOONCAKE_MASTER) answers."""
-    from transfer.data.mooncake_client import import_mooncake, require_master
-
     import_mooncake()  # a missing or wrong wheel is reported here, before workers start
     check_environment(num_nodes=num_nodes, local_hostname=local_hostname, protocol=protocol,
                       device_name=device_name)
@@ -135,6 +143,16 @@ def check_announced_hostname(host: Optional[str], *, num_nodes: int, where: str)
                          "IP is used) or give that node's routable address")
 
 
+def check_node_env(node: str, env: Mapping[str, str], *, local_hostname: Optional[str],
+                   num_nodes: int) -> None:
+    """Refuse what ``node`` exported before ``ray start`` (``env``: its values of
+    ``NODE_ENV``) if its clients could not work with it; a set field wins over every node's
+    environment."""
+    if local_hostname is None:
+        check_announced_hostname(env.get("MOONCAKE_LOCAL_HOSTNAME"), num_nodes=num_nodes,
+                                 where=f"MOONCAKE_LOCAL_HOSTNAME on node {node}")
+
+
 def check_capacity(*, global_segment_size: int, bytes_per_step: int, batches_held: int,
                    replica_num: int) -> None:
     """The segments must hold every batch kept at once, in every replica (a full store
@@ -156,8 +174,6 @@ def client_settings(services: Mapping[str, str], *, default_hostname: str,
     """Settings of one client. ``services``: what ``start_services`` returned on the
     driver; ``default_hostname``: this node's address; ``global_segment_size``: what this
     client lends (0 = none)."""
-    from transfer.data.mooncake_client import MooncakeSettings
-
     if "master_server_address" not in services:
         raise RuntimeError("the Mooncake master is not resolved: start_services() runs first")
     return MooncakeSettings(
@@ -168,37 +184,6 @@ def client_settings(services: Mapping[str, str], *, default_hostname: str,
         global_segment_size=global_segment_size, local_buffer_size=local_buffer_size,
         chunk_bytes=chunk_bytes, replica_num=replica_num, codec=codec,
         init_kwargs=dict(init_kwargs))
-
-
-def parse_init_kwargs(value: Any) -> dict[str, Any]:
-    """Extra client ``setup`` keys, a mapping or a JSON string -> a checked dict (sizes in bytes)."""
-    from transfer.data.mooncake_client import SETUP_KEYS
-
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"transfer.init_kwargs is not valid JSON ({e}): {value!r}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"transfer.init_kwargs must be a mapping or a JSON object, got {value!r}")
-    unknown = sorted(set(value) - SETUP_KEYS)
-    if unknown:
-        raise ValueError(f"transfer.init_kwargs: unknown Mooncake setup keys {unknown}; "
-                         f"known: {sorted(SETUP_KEYS)}")
-    out = dict(value)
-    for k in ("global_segment_size", "local_buffer_size"):
-        if k in out:
-            out[k] = parse_size(out[k], f"transfer.init_kwargs.{k}")
-    for k in ("enable_ssd_offload", "enable_client_http_server"):
-        if k in out and not isinstance(out[k], bool):
-            raise ValueError(f"transfer.init_kwargs.{k}={out[k]!r} must be true or false")
-    if "client_http_port" in out and (isinstance(out["client_http_port"], bool)
-                                      or not isinstance(out["client_http_port"], int)):
-        raise ValueError(f"transfer.init_kwargs.client_http_port={out['client_http_port']!r} "
-                         "must be an integer")
-    return out
 
 
 def _rdma_devices() -> list[str]:

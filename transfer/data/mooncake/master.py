@@ -6,7 +6,7 @@ Used two ways:
   127.0.0.1 on free ports, stopped at exit (also on error: the child dies with its parent);
 * by hand, for multi-node runs, on the node that should host it::
 
-      python -m transfer.data.mooncake_master --host 10.0.0.1
+      python -m transfer.data.mooncake.master --host 10.0.0.1
       # prints the exports to set on every node before `ray start`, then serves until Ctrl-C
 """
 

@@ -1,25 +1,28 @@
-"""What both Mooncake stores share: the wheel import, one client's settings, its connection
-to the master, error codes turned into messages, and removing keys.
+"""What both Mooncake stores share: the wheel import, one client's settings and their
+checks, its connection to the master, error codes turned into messages, and removing keys.
 
-``open_store(settings)`` returns the store of ``settings.codec``: ``packed``
-(``transfer.data.mooncake_store``, ours) or ``bundle`` (``transfer.data.mooncake_bundle_store``,
-Mooncake's own ``MooncakeBundleTransfer``, kept as the reference).
+The base class knows no codec: the stores (``packed``, ``bundle``) subclass it, and
+``transfer.data.mooncake.open_store`` picks one by ``settings.codec``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from transfer.data.base import RemovedError, RolloutStore
+from transfer.data.base import RemovedError
 from transfer.net import port_open
+from transfer.units import parse_size
 
 # Mooncake ErrorCode values met on this path (mooncake-store/include/types.h).
 _ERRORS = {-10: "BUFFER_OVERFLOW", -200: "NO_AVAILABLE_HANDLE (segments full)",
            -704: "OBJECTNOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
            -800: "TRANSFER_FAIL", -900: "RPC_FAIL"}
 NOT_FOUND = -704
+PROTOCOLS = ("tcp", "rdma")
 SETUP_KEYS = {"local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
               "protocol", "rdma_devices", "master_server_addr", "ipc_socket_path",
               "enable_ssd_offload", "ssd_offload_path", "tenant_id", "enable_client_http_server",
@@ -36,7 +39,8 @@ class StoreRemovedError(StoreError, RemovedError):
 
 
 def import_mooncake():
-    """``mooncake.store``, or an ImportError that says what to install."""
+    """``mooncake.store`` (an optional dependency: imported here, by the first client or the
+    driver's preflight), or an ImportError that says what to install."""
     # Mooncake logs at INFO by default (several lines per client); keep warnings and errors
     # unless the user asks for more. Read when the library loads.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -65,7 +69,8 @@ def explain_import_error(e: ImportError) -> ImportError:
 
 @dataclass(frozen=True)
 class MooncakeSettings:
-    """Connection settings of one client (plain values; the rl config resolves them)."""
+    """Connection settings of one client (plain values; ``bootstrap.client_settings`` resolves
+    them from the config's fields and the ``MOONCAKE_*`` variables)."""
 
     master_server_address: str
     metadata_server: str
@@ -78,7 +83,8 @@ class MooncakeSettings:
     chunk_bytes: int = 4 << 20
     replica_num: int = 1
     codec: str = "packed"
-    """``packed`` (``MooncakeStore``) or ``bundle`` (``MooncakeBundleStore``); see ``open_store``."""
+    """``packed`` (``MooncakeStore``) or ``bundle`` (``MooncakeBundleStore``); see
+    ``transfer.data.mooncake.open_store``."""
     init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra ``setup`` keys; they override the fields above."""
 
@@ -91,17 +97,33 @@ class MooncakeSettings:
         return cfg
 
 
-def open_store(settings: MooncakeSettings) -> RolloutStore:
-    """A connected store client for ``settings.codec``."""
-    if settings.codec == "packed":
-        from transfer.data.mooncake_store import MooncakeStore
-
-        return MooncakeStore(settings)
-    if settings.codec == "bundle":
-        from transfer.data.mooncake_bundle_store import MooncakeBundleStore
-
-        return MooncakeBundleStore(settings)
-    raise ValueError(f"unknown Mooncake codec {settings.codec!r}; use packed or bundle")
+def parse_init_kwargs(value: Any) -> dict[str, Any]:
+    """Extra client ``setup`` keys, a mapping or a JSON string -> a checked dict (sizes in bytes)."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"transfer.init_kwargs is not valid JSON ({e}): {value!r}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"transfer.init_kwargs must be a mapping or a JSON object, got {value!r}")
+    unknown = sorted(set(value) - SETUP_KEYS)
+    if unknown:
+        raise ValueError(f"transfer.init_kwargs: unknown Mooncake setup keys {unknown}; "
+                         f"known: {sorted(SETUP_KEYS)}")
+    out = dict(value)
+    for k in ("global_segment_size", "local_buffer_size"):
+        if k in out:
+            out[k] = parse_size(out[k], f"transfer.init_kwargs.{k}")
+    for k in ("enable_ssd_offload", "enable_client_http_server"):
+        if k in out and not isinstance(out[k], bool):
+            raise ValueError(f"transfer.init_kwargs.{k}={out[k]!r} must be true or false")
+    if "client_http_port" in out and (isinstance(out["client_http_port"], bool)
+                                      or not isinstance(out["client_http_port"], int)):
+        raise ValueError(f"transfer.init_kwargs.client_http_port={out['client_http_port']!r} "
+                         "must be an integer")
+    return out
 
 
 def require_master(address: str) -> None:
@@ -110,7 +132,7 @@ def require_master(address: str) -> None:
     if not port.isdigit() or not port_open(host, int(port), timeout_s=3.0):
         raise StoreError(
             f"Mooncake master at {address!r} is unreachable: start one "
-            "(python -m transfer.data.mooncake_master --host <ip>) and export MOONCAKE_MASTER "
+            "(python -m transfer.data.mooncake.master --host <ip>) and export MOONCAKE_MASTER "
             "on every node, or leave it unset on a single machine to start one automatically")
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from transfer.data import codec
 from transfer.data.base import Columns, StoreRef
-from transfer.data.mooncake_client import (NOT_FOUND, MooncakeClient, MooncakeSettings, StoreError,
+from transfer.data.mooncake.client import (NOT_FOUND, MooncakeClient, MooncakeSettings, StoreError,
                                            StoreRemovedError)
 
 
