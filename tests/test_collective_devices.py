@@ -6,7 +6,8 @@ tensor left on the CPU raises "No backend type associated with device type cpu" 
 first training step of every GPU run, while gloo on this machine takes it without a word.
 No CPU run can tell "on the learner's device" from "on the CPU", so this is a static check:
 the tensor argument of each collective call must be a name bound, in the same function, to a
-tensor factory called with ``device=`` or to a ``.to(...)`` move. The GPU tests
+tensor factory called with ``device=<x>.device`` (or a variable ``device``) or to a move
+``.to(<x>.device)``; a literal device ("cpu") or a dtype-only ``.to`` does not count. The GPU tests
 (``tests/test_gpu.py``) run the same learner code over real NCCL.
 """
 
@@ -34,12 +35,20 @@ def _is_dist(node: ast.expr) -> bool:
         and isinstance(node.value, ast.Name) and node.value.id == "torch")
 
 
+def _is_the_device(node: ast.expr | None) -> bool:
+    """``self.device`` (or any ``<x>.device``) or a variable named ``device``: the device of
+    the group's rank, never a literal such as "cpu" and never a dtype."""
+    return (isinstance(node, ast.Attribute) and node.attr == "device") or (
+        isinstance(node, ast.Name) and node.id == "device")
+
+
 def _made_on_a_device(value: ast.expr) -> bool:
     if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute):
         return False
+    device = next((k.value for k in value.keywords if k.arg == "device"), None)
     if value.func.attr == "to":
-        return bool(value.args or value.keywords)
-    return value.func.attr in FACTORIES and any(k.arg == "device" for k in value.keywords)
+        return _is_the_device(device if device is not None else (value.args[0] if value.args else None))
+    return value.func.attr in FACTORIES and _is_the_device(device)
 
 
 def offending_calls(source: str, filename: str) -> list[str]:
@@ -64,7 +73,8 @@ def offending_calls(source: str, filename: str) -> list[str]:
                 found.append(f"{where}: its tensor is not a name bound in {fn.name}(); "
                              f"make it there with device=")
             elif not all(_made_on_a_device(v) for v in bound[arg.id]):
-                found.append(f"{where}: {arg.id} is made without device= (NCCL refuses CPU tensors)")
+                found.append(f"{where}: {arg.id} is not made on the rank's device (device=<x>.device "
+                             f"or .to(<x>.device); NCCL refuses CPU tensors)")
     return found
 
 
@@ -76,6 +86,12 @@ def test_the_check_finds_a_cpu_tensor_handed_to_a_collective():
             trained = torch.tensor([1.0], dtype=torch.float64)
             dist.all_reduce(trained)
             torch.distributed.broadcast(self.buffer, src=0)
+            on_cpu = torch.tensor([1.0], device="cpu")
+            dist.all_reduce(on_cpu)
+            wide = x.to(torch.float64)
+            dist.all_reduce(wide)
+            moved = x.to("cpu")
+            dist.all_reduce(moved)
         """)
     good = textwrap.dedent("""
         def train(self):
@@ -85,8 +101,9 @@ def test_the_check_finds_a_cpu_tensor_handed_to_a_collective():
             dist.broadcast(moved, src=0)
         """)
     found = offending_calls(bad, "bad.py")
-    assert len(found) == 2 and "bad.py:4: dist.all_reduce: trained is made without device=" in found[0]
-    assert "bad.py:5" in found[1]
+    assert len(found) == 5
+    assert "bad.py:4: dist.all_reduce: trained is not made on the rank's device" in found[0]
+    assert [f.split(":")[1] for f in found] == ["4", "5", "7", "9", "11"]
     assert offending_calls(good, "good.py") == []
 
 

@@ -83,8 +83,12 @@ def test_every_experiment_composes_and_holds_its_values(name, tmp_path, chat_mod
     data.write_text(json.dumps({"prompt": "What is 2+3?", "label": "5"}) + "\n")
     cfg = compose(f"experiment={name}", f"model.path={chat_model_path}", f"task.path={data}")
     values = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "experiment", f"{name}.yaml")))
+    from rl.config import parse_size
+
     for key, want in _leaves(values):
         got = reduce(getattr, key.split("."), cfg)
+        if isinstance(want, str) and isinstance(got, int) and not isinstance(got, bool):
+            want = parse_size(want, key)
         assert got == want, (name, key, got, want)
 
 
@@ -154,7 +158,8 @@ def test_float32_sglang_engines_only_with_an_attention_backend_that_takes_it():
     gpu = ("rollout=sglang", "cluster.gpus_per_engine=1")
     assert compose(*gpu, "model.dtype=bfloat16").model.dtype == "bfloat16"
     for ok in ("[--attention-backend,triton]",
-               "[--attention-backend,torch_native,--decode-attention-backend,triton]"):
+               "[--attention-backend,torch_native,--decode-attention-backend,triton]",
+               "[--prefill-attention-backend,triton,--decode-attention-backend,torch_native]"):
         assert compose(*gpu, f"rollout.extra_args={ok}").rollout.extra_args
     for refused in ("[--attention-backend,fa3]",
                     "[--attention-backend,triton,--prefill-attention-backend,fa3]",

@@ -44,6 +44,14 @@ def _mixed_worker(rank: int, world: int, port: int, tiny_path: str, out: str, ma
     learner = Learner(cfg, Runtime("mp", os.path.dirname(out), tiny_path), rank, world)
     learner.setup("127.0.0.1", port)
     try:
+        reduced = []  # dtypes of the gradients FSDP2 reduce-scatters over the ranks
+        scatter = torch.distributed.reduce_scatter_single
+
+        def recording(*args, **kwargs):
+            reduced.append(kwargs.get("input", args[1] if len(args) > 1 else None).dtype)
+            return scatter(*args, **kwargs)
+
+        torch.distributed.reduce_scatter_single = recording  # FSDP2's DefaultReduceScatter calls it
         compute = []  # dtypes a linear layer sees inside the forward (FSDP2's gathered weight)
         layer = next(m for m in learner.model.modules() if isinstance(m, torch.nn.Linear))
         layer.register_forward_hook(lambda m, i, o: compute.append((m.weight.dtype, o.dtype)))
@@ -54,6 +62,7 @@ def _mixed_worker(rank: int, world: int, port: int, tiny_path: str, out: str, ma
         before = params()
         learner.train_batch(make_batch(16).select(range(rank * 16 // world, (rank + 1) * 16 // world)))
         after = params()
+        torch.distributed.reduce_scatter_single = scatter
         learner._weight_sync = sync = RecordingSync()
         learner.push_weights(version=1)
         held = {p.dtype for p in learner.model.parameters()}
@@ -61,7 +70,8 @@ def _mixed_worker(rank: int, world: int, port: int, tiny_path: str, out: str, ma
         optim = {v.dtype for s in learner.optimizer.state.values() for k, v in s.items() if k != "step"}
         if rank == 0:
             torch.save({"before": before, "after": after, "pushed": sync.pushed, "held": held,
-                        "grads": grads, "optim": optim, "compute": set(compute)}, out)
+                        "grads": grads, "optim": optim, "compute": set(compute),
+                        "reduced": set(reduced)}, out)
     finally:
         learner.close()
 
@@ -80,7 +90,8 @@ def _moved(got: dict, dtype: torch.dtype) -> float:
 
 def test_bfloat16_compute_keeps_float32_master_weights_and_pushes_bfloat16(ranks, tiny_path, tmp_path):
     got = _step(ranks, "float32", tiny_path, tmp_path)
-    assert got["held"] == {torch.float32} and got["grads"] == {torch.float32}  # master, fp32 reduce
+    assert got["held"] == {torch.float32} and got["grads"] == {torch.float32}  # the master weights
+    assert got["reduced"] == {torch.float32}  # gradients reduced over the ranks in float32
     assert got["optim"] == {torch.float32}  # AdamW's moments
     assert got["compute"] == {(torch.bfloat16, torch.bfloat16)}  # the forward runs in bfloat16
     assert {t.dtype for t in got["pushed"].values()} == {torch.bfloat16}
@@ -97,12 +108,14 @@ def test_pure_bfloat16_loses_the_same_update(ranks, tiny_path, tmp_path):
     unchanged, which is what float32 master weights are for."""
     got = _step(ranks, "bfloat16", tiny_path, tmp_path)
     assert got["held"] == {torch.bfloat16} and got["optim"] == {torch.bfloat16}
+    assert got["reduced"] == {torch.bfloat16}  # the recording sees what FSDP2 reduces
     assert _moved(got, torch.float32) < 0.5
 
 
 @pytest.mark.parametrize("overrides,fragment", [
     (("model.dtype=bfloat16", "model.master_dtype=float16"), "model.master_dtype=float16 with model.dtype"),
-    (("model.dtype=float16", "model.master_dtype=bfloat16"), "the master weights are float32"),
+    (("model.dtype=float16",), "float16 training needs loss scaling"),
+    (("model.dtype=float16", "model.master_dtype=float16"), "use model.dtype=bfloat16"),
 ])
 def test_master_dtype_is_float32_or_the_compute_dtype(overrides, fragment):
     with pytest.raises(ValueError, match=None) as e:

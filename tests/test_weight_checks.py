@@ -189,7 +189,7 @@ def test_an_engine_that_cannot_serve_the_route_is_named_in_a_warning(tiny, engin
     with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
         check.after_push(Learners(tiny), [sglang, engine], version=0)
         check.after_push(Learners(tiny), [sglang, engine], version=1)
-    assert len(seen) == 1  # asked once, then left alone
+    assert [r["name"] for r in seen] == [seen[0]["name"], "model.embed_tokens.weight"]  # then left alone
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and sglang.name in warnings[0] and "not checked" in warnings[0]
 
@@ -212,3 +212,29 @@ def test_a_tied_output_layer_reads_as_the_embedding():
     assert engine.get_weights_by_name("lm_head.weight", 3) == embed
     with pytest.raises(ValueError, match="no parameter"):
         engine.get_weights_by_name("lm_head.bias")
+
+
+def test_a_name_the_engine_lacks_is_an_error_where_the_route_is_served(tiny, engine):
+    """SGLang answers an unknown name on a model that serves the route (Llama) with the same
+    400 as a model without it (Qwen2): the reference parameter tells the two apart."""
+    from aiohttp import web
+
+    async def only_the_embedding(request):
+        body = await request.json()
+        if body["name"] == "model.embed_tokens.weight":
+            return web.json_response([[0.0]])
+        return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/get_weights_by_name", only_the_embedding)
+    server = ThreadedApp(app)
+    try:
+        renamed = EngineClient(server.url, "engine-5", timeout_s=10)
+        check = ContentCheck(pushed_model(SimpleNamespace(model=tiny))[1], "float32")
+        with pytest.raises(RuntimeError) as e:
+            check.after_push(Learners(tiny), [renamed], version=1)
+        assert f"{renamed.name}: parameter '" in str(e.value)
+        assert "Get parameter by name failed" in str(e.value)
+        assert "engine-5" not in check.unserved
+    finally:
+        server.close()

@@ -54,7 +54,7 @@ class ModelConfig:
     """Architecture of the tiny model (ignored when ``path`` is set)."""
     dtype: str = "float32"
     """The engines' dtype (passed to each as ``--dtype``; the weights are pushed in it) and
-    the learner's compute dtype: float32, bfloat16 or float16."""
+    the learner's compute dtype: float32 or bfloat16 (float16 would need loss scaling)."""
     master_dtype: str = "float32"
     """The learner's parameter and optimizer-state dtype (the master weights). Narrower
     ``dtype``: FSDP2 mixed precision computes in ``dtype`` and reduces gradients in float32,
@@ -66,6 +66,11 @@ class ModelConfig:
         for key in ("dtype", "master_dtype"):
             if getattr(self, key) not in DTYPE_BYTES:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}: use float32, bfloat16 or float16")
+        if self.dtype == "float16":
+            # fp16 gradients underflow without a loss scaler, which this learner does not run
+            raise ValueError("model.dtype=float16: the learner computes in model.dtype, and float16 "
+                             "training needs loss scaling, which it does not do; use "
+                             "model.dtype=bfloat16 (same memory, float32's range)")
         if self.master_dtype not in ("float32", self.dtype):
             raise ValueError(f"model.master_dtype={self.master_dtype} with model.dtype={self.dtype}: "
                              f"the master weights are float32 (mixed precision) or the compute dtype "

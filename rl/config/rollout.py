@@ -142,7 +142,8 @@ class HFRolloutConfig(RolloutConfig):
 FLOAT32_ATTENTION_BACKENDS = ("triton", "torch_native", "flex_attention")
 """SGLang attention backends whose kernels take float32 (Triton and PyTorch code). The
 others are FlashAttention / FlashInfer-class kernels that take float16 and bfloat16 only,
-and SGLang 0.5.23 picks fa3 on Hopper whatever the dtype (``get_default_attn_backend``)."""
+and SGLang 0.5.23 picks fa3 on Hopper whatever the dtype (``get_default_attn_backend``).
+Both phases must be covered: ``--attention-backend``, or the prefill and decode ones."""
 ATTENTION_BACKEND_FLAGS = ("--attention-backend", "--prefill-attention-backend",
                            "--decode-attention-backend")
 
@@ -192,13 +193,14 @@ class SGLangRolloutConfig(RolloutConfig):
     def check_model(self, model: "ModelConfig") -> None:
         if model.dtype != "float32":
             return
-        named = [v for f in ATTENTION_BACKEND_FLAGS for v in flag_values(self.extra_args, f)]
-        if flag_values(self.extra_args, "--attention-backend") and \
-                all(v in FLOAT32_ATTENTION_BACKENDS for v in named):
+        named = {f: flag_values(self.extra_args, f) for f in ATTENTION_BACKEND_FLAGS}
+        covered = named["--attention-backend"] or (named["--prefill-attention-backend"]
+                                                   and named["--decode-attention-backend"])
+        if covered and all(v in FLOAT32_ATTENTION_BACKENDS for vs in named.values() for v in vs):
             return
         raise ValueError(
             "rollout=sglang with model.dtype=float32: SGLang's default attention kernels on GPUs "
-            "(fa3 on Hopper, flashinfer elsewhere) take float16/bfloat16 only. Set "
+            "(fa3 on Hopper, flashinfer or trtllm_mha elsewhere) take float16/bfloat16 only. Set "
             "model.dtype=bfloat16 (the learner keeps float32 master weights, model.master_dtype), "
             "or name an attention backend that takes float32: "
             "rollout.extra_args='[--attention-backend,triton]' (also "
