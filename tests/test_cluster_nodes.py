@@ -26,7 +26,8 @@ HEAD, WORKER = _node("10.0.0.1", rollout_node=1), _node("10.0.0.2", train_node=1
 
 
 def test_two_node_placement_is_two_node_8x8_with_other_numbers():
-    cpu, gpu = compose("cluster=two_node").cluster, compose("cluster=two_node_8x8", "rollout=sglang").cluster
+    cpu = compose("cluster=two_node").cluster
+    gpu = compose("cluster=two_node_8x8", "rollout=sglang", "model.dtype=bfloat16").cluster
     same = ("address", "min_nodes", "engine_resource", "learner_resource")
     assert [getattr(cpu, f) for f in same] == [getattr(gpu, f) for f in same] == \
         ["auto", 2, "rollout_node", "train_node"]
@@ -51,7 +52,7 @@ def test_missing_node_or_resource_is_named(nodes, fragment):
 
 
 def test_gpu_pool_larger_than_the_nodes_is_refused():
-    cfg = compose("cluster=two_node_8x8", "rollout=sglang").cluster
+    cfg = compose("cluster=two_node_8x8", "rollout=sglang", "model.dtype=bfloat16").cluster
     with pytest.raises(ValueError, match=r"rollout pool needs 8 x 1 GPUs but the nodes with "
                                          r"'rollout_node' have 4"):
         check_nodes(cfg, [_node("10.0.0.1", rollout_node=1, GPU=4), _node("10.0.0.2", train_node=1, GPU=8)])
