@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
+from rl.run import exit_on_interrupt
 
 register_configs()
 atexit.register(gc.freeze)  # run last at exit: skip collecting every torch object (~0.8 s a run)
@@ -53,4 +54,4 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_interrupt(main)  # Ctrl-C: the run's parts stopped in order, exit status 130

@@ -216,11 +216,18 @@ class Cluster:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         failure = None
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not (
+            self.watchdog is not None and self.watchdog.fired)
         if self.watchdog is not None:
             self._stop_watchdog()
-            # an actor error can arrive before the next probe: look once more
-            failure = self.watchdog.check_now() if exc_type is not None else self.watchdog.failure
-        died = learner_death(exc, self.learners) if failure is None and exc is not None else None
+            # an actor error can arrive before the next probe: look once more. Not after the
+            # user's Ctrl-C: it reached every process of the terminal's group, and what it
+            # stopped is no failure of the run's.
+            failure = self.watchdog.failure if interrupted or exc_type is None else self.watchdog.check_now()
+        if interrupted:
+            print("[run] interrupted: stopping the run's processes", flush=True)
+        died = learner_death(exc, self.learners) if failure is None and exc is not None \
+            and not interrupted else None
         self.shutdown(timeout_s=10 if failure or died else 60)  # graceful closes may wait on the dead
         if died:
             from rl.run import resume_hint

@@ -13,6 +13,20 @@ from rl.config import Config
 from rl.runtime import Runtime
 
 
+INTERRUPTED = 130
+"""Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+def exit_on_interrupt(main) -> None:
+    """Run an entry point's ``main``; Ctrl-C ends the process with status 130 after the
+    run's parts were stopped (``Cluster.__exit__``), with one line instead of a traceback."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("[run] interrupted by the user (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)
+
+
 def prepare_run(cfg: Config) -> Runtime:
     """Resolve the run directory and the model checkpoint (building the tiny one if needed)."""
     from rl.model import largest_param_bytes, resolve_model_path

@@ -228,10 +228,11 @@ def pids_with(fragment: str) -> list[int]:
 
 @contextmanager
 def running(script: str, *overrides: str, env: dict[str, str] | None = None):
-    """A training run in the background (SIGINT acts as Ctrl-C); killed if the test leaves
-    it running."""
+    """A training run in the background, in a process group of its own as a terminal's
+    foreground job (``os.killpg(proc.pid, SIGINT)`` is a terminal's Ctrl-C); killed if the
+    test leaves it running."""
     proc = subprocess.Popen([sys.executable, script, *overrides], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         yield proc
     finally:

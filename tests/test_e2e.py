@@ -122,15 +122,25 @@ def test_an_engine_that_fails_to_start_stops_the_run_and_the_learners_setting_up
     assert_nothing_left([])  # no rank on the shared head
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
-    """Ctrl-C in a run with a Ray of its own (``make train``): its Ray goes too."""
-    with running("train.py", "num_steps=10000", "logger=console", "weights=p2p",
+@pytest.mark.parametrize("transfer", ["ray", "mooncake_tcp"])
+def test_ctrl_c_is_reported_as_the_users_and_stops_every_process(transfer, tmp_path):
+    """Ctrl-C as a terminal sends it, SIGINT to the run's whole process group, in a run with
+    a Ray of its own (``make train``): the run says it was interrupted (not that a part of it
+    died, though the signal reached them all), stops its parts, and exits with 130; its Ray,
+    engines and Mooncake master go too."""
+    with running("train.py", "num_steps=10000", "logger=console", "weights=p2p", f"transfer={transfer}",
                  "rollout.prompts_per_step=8", f"output_dir={tmp_path}", env=own_ray_env()) as proc:
         out = read_until(proc, "step 2/")
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=90)
-    assert proc.returncode != 0
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, rest[-3000:]
+    assert "[run] interrupted: stopping the run's processes" in rest, rest[-3000:]
+    assert "interrupted by the user (Ctrl-C)" in rest and "died" not in rest and "Traceback" not in rest
     assert_nothing_left(engine_ports(out))
+    master = re.search(r"local master \(pid (\d+)\)", out)
+    assert (master is not None) == (transfer == "mooncake_tcp"), out
+    if master:
+        assert not os.path.exists(f"/proc/{master.group(1)}"), "the Mooncake master outlived the run"
 
 
 @pytest.mark.parametrize("weights", ["broadcast", "p2p"])

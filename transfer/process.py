@@ -52,9 +52,13 @@ def start_child(cmd: list[str], *, name: str, log_path: str, ready: Callable[[],
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
+        # A session of its own: a terminal's Ctrl-C (SIGINT to its foreground process group)
+        # reaches the run's driver, which stops its children in order, and not the children
+        # themselves, whose deaths would then read as failures of the run.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env} if env else None,
-                                preexec_fn=die_with_parent if tie_to_parent else None)
+                                preexec_fn=die_with_parent if tie_to_parent else None,
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
