@@ -1,5 +1,6 @@
-# Two commands a newcomer needs: `make train` runs the default job, `make test` runs the tests.
-# Both create .venv on first use and install everything this project needs.
+# Two commands a newcomer needs: `make train` runs the default job, `make test` runs the tests
+# (unit and integration; `make test-e2e` runs the end-to-end tier). Each creates .venv on first
+# use and installs everything this project needs.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ TORCH_VERSION := $(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' $(LOCK))
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' rl/rollout/sglang_version.py)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
-.PHONY: venv train test test-fast rehearse lint lock bench-transfer gpu-wheels clean
+.PHONY: venv train test test-unit test-e2e rehearse lint lock bench-transfer gpu-wheels clean
 
 $(STAMP): pyproject.toml rl/rollout/sglang_version.py $(LOCK)
 	@command -v ip >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq iproute2; } || true
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml rl/rollout/sglang_version.py $(LOCK)
 	# CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q -c $(LOCK) torch
 	$(BIN)/pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
-	# SGLang's own code for the contract tests (tests/sglang_release.py), without its GPU
+	# SGLang's own code for the contract tests (tests/support/sglang_release.py), without its GPU
 	# dependencies: the extra above holds what its CPU-importable modules need.
 	$(BIN)/pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
 	touch $(STAMP)
@@ -47,19 +48,36 @@ train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-$$( [ -n "$$WANDB_API_KEY" ] && echo online || echo offline )} \
 		$(BIN)/python train.py $(ARGS)
 
-# After the tests: the 15 slowest, then wall and CPU time per test file (tests/cpu_time.py).
-test: $(STAMP) lint
-	$(BIN)/python -m pytest -q --durations=15 -p tests.cpu_time -m "not two_node" $(ARGS)
+# The test tiers are folders: tests/unit (no Ray, no processes; under a minute),
+# tests/integration (real Ray, engines, master, gloo; short runs), tests/e2e (learning curves,
+# the data x weight path matrices, long fault and resume runs, the two-node rehearsal);
+# tests/support holds what they share. After the tests: the 15 slowest, then wall and CPU time
+# per test file (tests/support/cpu_time.py). The line before pytest separates the install and
+# lint above it from the test time (pytest's last line).
+PYTEST := $(BIN)/python -m pytest -q --durations=15 -p tests.support.cpu_time
 
-# The two-node quickstart rehearsed in two network namespaces (root; docs/quickstart-two-node.md).
+test: $(STAMP) lint
+	@echo "[make test] installed and linted at $$(date +%T); the unit and integration tests start now"
+	$(PYTEST) tests/unit tests/integration $(ARGS)
+
+# Learning curves, the data x weight path matrices, long fault and resume runs, and the
+# two-node rehearsal, which must run here (root and iproute2; REHEARSE_REQUIRED turns its
+# skip into a failure).
+test-e2e: $(STAMP)
+	@echo "[make test-e2e] installed at $$(date +%T); the end-to-end tests start now"
+	REHEARSE_REQUIRED=1 $(PYTEST) tests/e2e $(ARGS)
+
+# The two-node quickstart rehearsed in two network namespaces (root; docs/quickstart-two-node.md),
+# alone: part of `make test-e2e`.
 rehearse: $(STAMP)
-	REHEARSE_REQUIRED=1 $(BIN)/python -m pytest -q --durations=5 -m two_node tests/test_two_node.py $(ARGS)
+	REHEARSE_REQUIRED=1 $(BIN)/python -m pytest -q --durations=5 -m two_node tests/e2e/test_two_node.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not two_node" $(ARGS)
+# The unit tier alone: under a minute, no process started.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit $(ARGS)
 
 # Wheels that scripts/gpu_check.sh installs on a GPU machine without network (pure Python,
 # at this environment's versions).

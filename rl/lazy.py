@@ -3,7 +3,7 @@
 The driver imports the role classes (``Learner``, ``RolloutManager``) only to make them Ray
 actors, and the rollout manager needs the GRPO advantages but none of the loss math: with
 torch loaded where it is used, neither process pays for importing it
-(``tests/test_config_algo.py`` checks that they do not).
+(``tests/integration/test_config_algo.py`` checks that they do not).
 A function that needs a heavy module once imports it in its body (``rl.learner.checkpoint``);
 a module that uses torch throughout binds it here, once.
 """

@@ -89,7 +89,7 @@ BACKENDS: dict[str, list[str]] = {
     "mooncake-bundle": ["transfer=mooncake_tcp", "transfer.codec=bundle"],
 }
 """Every data path worth comparing, by label, as the overrides that choose it: the store
-conformance suite (``tests/store_suite.py``), the train_async.py matrix and the transfer
+conformance suite (``tests/support/store_suite.py``), the train_async.py matrix and the transfer
 benchmark run each one, built from ``rl.config.compose(*overrides).transfer`` by
 ``rl.backends.data_path`` as train.py builds it. A new backend adds its entry here
 (docs/transfer.md, "Adding a backend")."""

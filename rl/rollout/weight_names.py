@@ -10,7 +10,7 @@ rotary caches, ``projector`` weights, layers the engine does not hold and biases
 are skipped silently, and any other name only logs a warning ("Parameter ... not found in
 params_dict"), while the update still succeeds. A name it cannot place leaves the engine on
 its old weights while the run trains on, which ``check_push_names`` refuses at start.
-``load_target`` follows that loader line by line; ``tests/test_sglang_contract.py`` runs
+``load_target`` follows that loader line by line; ``tests/unit/test_sglang_contract.py`` runs
 the wheel's own loader and its model's parameter names against it.
 
 Other architectures: only names that can never match anything are refused, those carrying

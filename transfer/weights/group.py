@@ -8,7 +8,7 @@ torch's ``_new_process_group_helper``, which adds key prefixes of its own. The s
 build its side the same way or the two never meet: a raw ``TCPStore`` + ``ProcessGroupGloo``
 waits for keys SGLang never writes (measured: ``DistStoreError: wait timeout ... keys:
 /rl-weights-broadcast/0/1``), and with NCCL the first broadcast hangs.
-``tests/test_sglang_contract.py`` joins this function with SGLang's own as the receiver.
+``tests/integration/test_sglang_contract.py`` joins this function with SGLang's own as the receiver.
 
 Neither side needs a default process group: a learner that runs FSDP over its own world
 and a CPU engine that runs none join the same side group alike.

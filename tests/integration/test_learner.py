@@ -1,0 +1,480 @@
+"""Learner on spawned gloo ranks: 2-rank FSDP2 gradients equal the 1-rank reference, pad ids
+never reach the gradient, the truncated importance ratio and staleness mask, several steps per
+rollout clip against the behaviour policy, dropped flat groups equal training without them,
+and the KL penalty and entropy bonus match plain autograd."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rl.runtime import Runtime
+from rl.types import RolloutBatch
+from tests.support.batches import grouped_batch, make_batch
+from tests.support.env import compose
+from transfer.net import free_port
+
+
+def _grads_worker(rank, world, port, tiny_path, out_dir, pad_id):
+    from rl.learner.learner import Learner
+    from transfer.weights.base import full_tensor
+
+    cfg = compose(f"cluster.num_learners={world}", "algo.micro_batch_size=3")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), rank, world)
+    learner.setup("127.0.0.1", port)
+    learner.pad_id = pad_id
+    batch = make_batch(16)
+    part = batch.select(range(rank * 16 // world, (rank + 1) * 16 // world))
+    learner.optimizer.zero_grad()
+    learner.accumulate_grads(part)
+    grads = {n: full_tensor(p.grad).clone() for n, p in learner.model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, os.path.join(out_dir, f"grads_w{world}_pad{pad_id}.pt"))
+    learner.close()
+
+
+def _run(ranks, world, tiny_path, out_dir, pad_id=0):
+    ranks.run(_grads_worker, (world, free_port(), tiny_path, out_dir, pad_id), nprocs=world)
+    return torch.load(os.path.join(out_dir, f"grads_w{world}_pad{pad_id}.pt"))
+
+
+def test_fsdp2_gradients_match_single_process(ranks, tiny_path, tmp_path):
+    ref = _run(ranks, 1, tiny_path, str(tmp_path))
+    two = _run(ranks, 2, tiny_path, str(tmp_path))
+    assert ref.keys() == two.keys()
+    assert any(g.abs().sum() > 0 for g in ref.values())
+    for name in ref:
+        torch.testing.assert_close(two[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_pad_ids_never_reach_the_gradient(ranks, tiny_path, tmp_path):
+    """Padding with EOS instead of pad must change nothing: pads are masked and unattended."""
+    a = _run(ranks, 1, tiny_path, str(tmp_path), pad_id=0)
+    b = _run(ranks, 1, tiny_path, str(tmp_path), pad_id=1)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _async_worker(rank, world, port, tiny_path, out_dir):
+    """Gradients under truncated IS and under the staleness mask, in one process group."""
+    from rl.learner.learner import Learner, mask_stale
+    from transfer.weights.base import full_tensor
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+
+    def grads(batch, tis_cap=0.0):
+        learner.cfg.algo.tis_cap = tis_cap
+        learner.optimizer.zero_grad()
+        learner.accumulate_grads(batch)
+        return {n: full_tensor(p.grad).clone() for n, p in learner.model.named_parameters()}
+
+    def with_engine_logp(value):
+        b = make_batch(8)
+        b.rollout_logprobs = [np.full_like(lp, value) for lp in b.rollout_logprobs]
+        return b
+
+    out = {"plain": grads(make_batch(8)),
+           # engine log-prob -100: ratio current/engine is huge, every token capped at tis_cap
+           "capped_2": grads(with_engine_logp(-100.0), tis_cap=2.0),
+           "capped_half": grads(with_engine_logp(-100.0), tis_cap=0.5),
+           # engine log-prob +50 (more likely than possible): ratio ~0, nothing learned
+           "tiny_ratio": grads(with_engine_logp(50.0), tis_cap=2.0)}
+    stale = make_batch(8)
+    stale.weight_version = np.array([3, 1, 3, 2, 1, 3, 3, 2])
+    keep = mask_stale(stale, min_version=2)
+    out["keep"] = torch.from_numpy(keep)
+    out["masked"] = grads(stale)
+    out["fresh_only"] = grads(make_batch(8).select(np.flatnonzero(keep)))
+    torch.save(out, os.path.join(out_dir, "async_grads.pt"))
+    learner.close()
+
+
+def test_truncated_is_and_staleness_mask_shape_the_gradient(ranks, tiny_path, tmp_path):
+    ranks.run(_async_worker, (1, free_port(), tiny_path, str(tmp_path)))
+    g = torch.load(os.path.join(tmp_path, "async_grads.pt"))
+    plain = g["plain"]
+    assert any(v.abs().sum() > 0 for v in plain.values())
+    for name in plain:
+        torch.testing.assert_close(g["capped_2"][name], 2.0 * plain[name], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(g["capped_half"][name], 0.5 * plain[name], rtol=1e-4, atol=1e-7)
+        assert g["tiny_ratio"][name].abs().max() < 1e-12
+        # stale samples masked == trained on the fresh ones only (loss normalised by their tokens)
+        torch.testing.assert_close(g["masked"][name], g["fresh_only"][name], rtol=1e-4, atol=1e-6)
+    assert g["keep"].tolist() == [True, False, True, True, False, True, True, True]
+
+
+# -- several optimizer steps per rollout (algo.steps_per_rollout) ----------------------------
+def _plain(t):
+    """A DTensor (FSDP2 shard) or tensor as a plain CPU tensor copy."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def _optimizer_state(optimizer) -> dict:
+    sd = optimizer.state_dict()
+    return {"state": {i: {k: _plain(v) if torch.is_tensor(v) else v for k, v in s.items()}
+                      for i, s in sd["state"].items()},
+            "param_groups": sd["param_groups"]}
+
+
+def _spy_steps(learner) -> list[dict]:
+    """Wrap ``accumulate_grads`` (one call per optimizer step): record each mini-batch's sample
+    ids, the behaviour log-probs and count it was given, its sums, and the full weights it
+    started from. Behaviour unchanged."""
+    record: list[dict] = []
+    inner = learner.accumulate_grads
+
+    def spy(mini, old_mini=None, count=None):
+        weights = learner.full_state()
+        sums = inner(mini, old_mini, count)
+        record.append({"ids": mini.sample_id.tolist(), "count": count, "sums": dict(sums),
+                       "old": None if old_mini is None else [o.copy() for o in old_mini],
+                       "weights": weights})
+        return sums
+
+    learner.accumulate_grads = spy
+    return record
+
+
+CLIP_LOW, CLIP_HIGH = 0.02, 0.03
+
+
+def _steps_worker(rank, world, port, tiny_path, out_dir):
+    import pickle
+
+    from rl.learner.learner import Learner
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3", "algo.steps_per_rollout=2",
+                  "algo.lr=0.01", f"algo.clip_eps={CLIP_LOW}", f"algo.clip_eps_high={CLIP_HIGH}")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+    record = _spy_steps(learner)
+    out = {"pad_id": learner.pad_id}
+    out["two"] = learner.train_batch(make_batch(8, seed=3))
+    out["two_steps"], record[:] = list(record), []
+    learner.cfg.algo.steps_per_rollout = 1
+    out["one"] = learner.train_batch(make_batch(8, seed=3))
+    out["one_steps"], record[:] = list(record), []
+    # An all-masked batch (every loss mask zero), with the optimizer's moments non-zero by now.
+    out["before"] = (learner.full_state(), _optimizer_state(learner.optimizer))
+    for steps in (2, 1):
+        learner.cfg.algo.steps_per_rollout = steps
+        masked = make_batch(8, seed=3)
+        masked.loss_mask = [np.zeros_like(m) for m in masked.loss_mask]
+        out[f"masked_{steps}"] = learner.train_batch(masked)
+    out["masked_steps"] = list(record)
+    out["after"] = (learner.full_state(), _optimizer_state(learner.optimizer))
+    with open(os.path.join(out_dir, "steps.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    learner.close()
+
+
+def _plain_model(tiny_path, weights: dict):
+    """A plain (unsharded) model holding ``weights``: the learner's numbers, not its code."""
+    from rl.model import load_model
+
+    model = load_model(tiny_path)
+    params = dict(model.named_parameters())
+    assert params.keys() == weights.keys()
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(torch.from_numpy(weights[name]))
+    return model
+
+
+def _logprobs_t(model, batch: RolloutBatch, idx) -> list[torch.Tensor]:
+    """Log-probs of each sample's response tokens at temperature 1, one unpadded sample at a time."""
+    out = []
+    for i in idx:
+        p, r = int(batch.prompt_len[i]), int(batch.response_len[i])
+        ids = torch.from_numpy(batch.tokens[i].astype(np.int64))
+        logits = model(input_ids=ids[None]).logits[0].float()
+        logp = torch.log_softmax(logits[p - 1:p - 1 + r], dim=-1)
+        out.append(logp.gather(-1, ids[p:p + r, None])[:, 0])
+    return out
+
+
+def _response_logprobs(tiny_path, weights: dict, batch: RolloutBatch) -> list[np.ndarray]:
+    with torch.no_grad():
+        return [t.numpy() for t in _logprobs_t(_plain_model(tiny_path, weights), batch, range(len(batch)))]
+
+
+def _ppo_grad_norm(tiny_path, weights: dict, old: list[np.ndarray], batch: RolloutBatch, idx) -> float:
+    """Norm of the gradient of the token-mean clipped loss of samples ``idx`` at ``weights``
+    against the behaviour log-probs ``old`` (plain torch autograd)."""
+    model = _plain_model(tiny_path, weights)
+    loss, count = 0.0, 0
+    for i, logp in zip(idx, _logprobs_t(model, batch, idx)):
+        ratio = torch.exp(logp - torch.from_numpy(old[i]))
+        a = float(batch.advantages[i])
+        m = torch.from_numpy(batch.loss_mask[i].astype(np.float32))
+        loss = loss + (torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)) * m).sum()
+        count += int(np.count_nonzero(batch.loss_mask[i]))
+    (loss / count).backward()
+    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()
+                                if p.grad is not None)))
+
+
+def _ppo_by_hand(logp, old, batch, idx):
+    """Token-mean clipped loss and clipped-token count of samples ``idx``, in plain numpy."""
+    loss_sum, clipped, count = 0.0, 0, 0
+    for i in idx:
+        ratio = np.exp(logp[i].astype(np.float64) - old[i])
+        a = float(batch.advantages[i])
+        unclipped = -a * ratio
+        clip_branch = -a * np.clip(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH)
+        m = batch.loss_mask[i].astype(np.float64)
+        loss_sum += float((np.maximum(unclipped, clip_branch) * m).sum())
+        clipped += int(((clip_branch > unclipped) & (m != 0)).sum())
+        count += int(np.count_nonzero(m))
+    return loss_sum / count, clipped, count
+
+
+@pytest.fixture(scope="module")
+def steps_out(ranks, tiny_path, tmp_path_factory) -> dict:
+    """What ``_steps_worker`` recorded (one spawned learner for the tests below)."""
+    import pickle
+
+    out_dir = str(tmp_path_factory.mktemp("steps"))
+    ranks.run(_steps_worker, (1, free_port(), tiny_path, out_dir))
+    with open(os.path.join(out_dir, "steps.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
+def test_steps_per_rollout_clip_against_the_behaviour_policy(steps_out, tiny_path):
+    """Two optimizer steps on a fixed batch of 8: the second mini-batch's ratio, clipped
+    tokens and loss are those of its log-probs under the weights after step 1 against the
+    log-probs under the weights before step 1, computed here with a plain model."""
+    out = steps_out
+    batch = make_batch(8, seed=3)
+    first, second = out["two_steps"]
+    ids1, ids2 = first["ids"], second["ids"]  # shuffled mini-batches of 4 (sample id = index)
+    assert len(ids1) == len(ids2) == 4 and sorted(ids1 + ids2) == list(range(8))
+
+    # Behaviour log-probs: those of the weights the rollout's step started from, for both steps.
+    w0, w1 = first["weights"], second["weights"]
+    assert any(not np.array_equal(w0[n], w1[n]) for n in w0)  # step 1 moved the weights
+    old = _response_logprobs(tiny_path, w0, batch)
+    for i, got in zip(ids1 + ids2, first["old"] + second["old"]):
+        np.testing.assert_allclose(got, old[i], rtol=0, atol=2e-5)
+    logp1 = _response_logprobs(tiny_path, w1, batch)
+    # ... and the current weights differ from them enough for the clip to tell them apart
+    assert max(np.abs(logp1[i] - old[i]).max() for i in ids2) > 3 * CLIP_HIGH
+
+    # Step 1: the weights are the behaviour policy's: ratio 1, nothing clipped.
+    loss1, clipped1, count1 = _ppo_by_hand(old, old, batch, ids1)
+    assert first["count"] == count1 and first["sums"]["clipped"] == clipped1 == 0
+    assert first["sums"]["loss"] / count1 == pytest.approx(loss1, rel=1e-4, abs=1e-6)
+    # Step 2: ratio exp(logp under w1 - logp under w0).
+    loss2, clipped2, count2 = _ppo_by_hand(logp1, old, batch, ids2)
+    assert second["count"] == count2
+    assert 0 < clipped2 < count2  # the clip bites on some tokens, not all
+    assert second["sums"]["clipped"] == clipped2
+    assert second["sums"]["loss"] / count2 == pytest.approx(loss2, rel=1e-4, abs=1e-6)
+    # the metrics of the update
+    two = out["two"]
+    assert two["train/optimizer_steps"] == 2
+    assert two["train/clipfrac"] == pytest.approx(clipped2 / (count1 + count2), rel=1e-9)
+    assert two["train/loss"] == pytest.approx((loss1 + loss2) / 2, rel=1e-4, abs=1e-6)
+    assert two["train/approx_kl"] > 0 and two["perf/old_logp_time"] > 0
+    # each step's gradient is that of its own mini-batch's loss only (the metric: the mean of
+    # the steps' norms before clipping)
+    norms = [_ppo_grad_norm(tiny_path, w0, old, batch, ids1),
+             _ppo_grad_norm(tiny_path, w1, old, batch, ids2)]
+    assert two["train/grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-4)
+
+    # One step per rollout: the behaviour policy is the current one, the ratio exactly 1.
+    (only,) = out["one_steps"]
+    assert only["ids"] == list(range(8)) and only["old"] is None
+    one = out["one"]
+    assert one["train/optimizer_steps"] == 1
+    assert one["train/clipfrac"] == 0.0 and one["train/approx_kl"] == 0.0
+    assert one["perf/old_logp_time"] == 0.0
+    loss_one, _, _ = _ppo_by_hand(old, old, batch, range(8))  # ratio 1: -mean advantage
+    assert one["train/loss"] == pytest.approx(loss_one, rel=1e-5)
+
+
+def test_all_masked_batch_changes_nothing(steps_out):
+    """Every loss mask zero (all stale, or every group dropped): no optimizer step, and every
+    parameter and optimizer state tensor stays the same bit for bit (with 2 steps and 1)."""
+    out = steps_out
+    assert out["masked_steps"] == []  # no forward/backward of a mini-batch at all
+    for steps in (2, 1):
+        m = out[f"masked_{steps}"]
+        assert m["train/optimizer_steps"] == 0 and m["train/loss"] == 0.0
+        assert all(np.isfinite(v) for v in m.values())
+    (w_before, opt_before), (w_after, opt_after) = out["before"], out["after"]
+    assert w_before.keys() == w_after.keys()
+    for name in w_before:
+        assert np.array_equal(w_before[name], w_after[name]), name
+    assert opt_before["state"].keys() == opt_after["state"].keys() and opt_before["state"]
+    for i, state in opt_before["state"].items():
+        assert state.keys() == opt_after["state"][i].keys()
+        for k, v in state.items():
+            assert torch.equal(v, opt_after["state"][i][k]), (i, k)
+    assert opt_before["param_groups"] == opt_after["param_groups"]
+
+
+# -- drop_zero_std_groups ---------------------------------------------------------------------
+def _drop_worker(rank, world, port, tiny_path, out_dir):
+    from rl.algo import LOSS_AGGS
+    from rl.learner.learner import Learner
+    from rl.rollout.manager import zero_std_groups
+    from transfer.weights.base import full_tensor
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+
+    def grads(batch, mode):
+        learner.cfg.algo.loss_agg = mode
+        learner.optimizer.zero_grad()
+        learner.accumulate_grads(batch)
+        return {n: full_tensor(p.grad).clone() for n, p in learner.model.named_parameters()}
+
+    out = {}
+    for mode in LOSS_AGGS:
+        dropped = grouped_batch()
+        assert zero_std_groups(dropped, 4, drop=True) == 2
+        kept = grouped_batch().select(np.flatnonzero(np.repeat([1, 0, 1, 0], 4)))
+        out[mode] = {"dropped": grads(dropped, mode), "without": grads(kept, mode),
+                     "not_dropped": grads(grouped_batch(), mode)}
+    torch.save(out, os.path.join(out_dir, "drop_grads.pt"))
+    learner.close()
+
+
+def test_dropping_flat_groups_equals_training_without_them(ranks, tiny_path, tmp_path):
+    ranks.run(_drop_worker, (1, free_port(), tiny_path, str(tmp_path)))
+    g = torch.load(os.path.join(tmp_path, "drop_grads.pt"))
+    for mode, grads in g.items():
+        assert any(v.abs().sum() > 0 for v in grads["without"].values())
+        for name in grads["without"]:
+            torch.testing.assert_close(grads["dropped"][name], grads["without"][name],
+                                       rtol=1e-4, atol=1e-7, msg=f"{mode} {name}")
+        # kept in the loss, the flat groups (zero advantage) only dilute the normalisation:
+        # the gradient is the same direction, scaled by 8 samples' count / 16 samples' count
+        diff = max(float((grads["not_dropped"][n] - grads["without"][n]).abs().max())
+                   for n in grads["without"])
+        assert diff > 1e-3 * max(float(v.abs().max()) for v in grads["without"].values()), mode
+
+
+# -- KL penalty and entropy bonus: the learner's gradient against plain autograd ----------------
+PENALTY_T = 0.7  # a sampling temperature other than 1: log-probs and entropy are of logits / T
+
+PENALTY_CASES = {"kl_k1": ("algo.kl_coef=0.1", "algo.kl_estimator=k1"),
+                 "kl_k3": ("algo.kl_coef=0.1", "algo.kl_estimator=k3"),
+                 "entropy": ("algo.entropy_coef=0.01",)}
+
+
+def _penalty_worker(rank, world, port, tiny_path, out_dir, case):
+    import pickle
+
+    from rl.learner.learner import Learner
+    from transfer.weights.base import full_tensor
+
+    cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3", "algo.lr=0.01",
+                  f"rollout.temperature={PENALTY_T}", *PENALTY_CASES[case])
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), 0, 1)
+    learner.setup("127.0.0.1", port)
+    out = {"initial": learner.full_state(), "has_ref": learner.ref_model is not None}
+    # one update first, so the policy is no longer the reference (k3's gradient is 0 there)
+    out["first"] = learner.train_batch(make_batch(8, seed=5))
+    out["weights"] = learner.full_state()
+    learner.optimizer.zero_grad(set_to_none=True)
+    out["sums"] = learner.accumulate_grads(make_batch(8, seed=6))
+    out["grads"] = {n: full_tensor(p.grad).detach().cpu().clone()
+                    for n, p in learner.model.named_parameters()}
+    with open(os.path.join(out_dir, "penalty.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    learner.close()
+
+
+def _penalty_loss_by_autograd(tiny_path, weights, ref_weights, batch, kl_coef, kl_estimator,
+                              entropy_coef) -> tuple[dict, dict]:
+    """Gradients at ``weights`` of token-mean policy loss (ratio 1) + ``kl_coef`` * token-mean
+    KL estimate against ``ref_weights`` - ``entropy_coef`` * token-mean entropy, each term's
+    gradient on its own, computed one unpadded sample at a time with a plain model; and the
+    masked sums of the KL estimate and the entropy."""
+    model, ref = _plain_model(tiny_path, weights), _plain_model(tiny_path, ref_weights)
+    count = sum(int(np.count_nonzero(m)) for m in batch.loss_mask)
+    terms = {"policy": 0.0, "kl": 0.0, "entropy": 0.0}
+    for i in range(len(batch)):
+        p, r = int(batch.prompt_len[i]), int(batch.response_len[i])
+        ids = torch.from_numpy(batch.tokens[i].astype(np.int64))
+        targets = ids[p:p + r, None]
+        m = torch.from_numpy(batch.loss_mask[i].astype(np.float32))
+        logp_v = torch.log_softmax(model(input_ids=ids[None]).logits[0, p - 1:p - 1 + r].float()
+                                   / PENALTY_T, dim=-1)
+        logp = logp_v.gather(-1, targets)[:, 0]
+        with torch.no_grad():
+            ref_logp = torch.log_softmax(ref(input_ids=ids[None]).logits[0, p - 1:p - 1 + r].float()
+                                         / PENALTY_T, dim=-1).gather(-1, targets)[:, 0]
+        a = float(batch.advantages[i])
+        terms["policy"] = terms["policy"] + (-a * torch.exp(logp - logp.detach()) * m).sum()
+        if kl_estimator == "k1":
+            kl = logp - ref_logp
+        else:  # k3 of KL(policy || ref): r - 1 - log r with r = ref / policy
+            kl = torch.exp(ref_logp - logp) - 1 - (ref_logp - logp)
+        terms["kl"] = terms["kl"] + (kl * m).sum()
+        ent = -(logp_v.exp() * logp_v).sum(-1)
+        terms["entropy"] = terms["entropy"] + (ent * (m != 0)).sum()
+    sums = {"ref_kl": float(terms["kl"].detach()), "entropy": float(terms["entropy"].detach())}
+    coefs = {"policy": 1.0, "kl": kl_coef, "entropy": -entropy_coef}
+    grads = {}
+    for name, term in terms.items():
+        model.zero_grad(set_to_none=True)
+        (coefs[name] * term / count).backward(retain_graph=True)
+        grads[name] = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                       for n, p in model.named_parameters()}
+    return grads, sums
+
+
+def _flat(grads: dict) -> torch.Tensor:
+    return torch.cat([g.reshape(-1).double() for _, g in sorted(grads.items())])
+
+
+@pytest.mark.parametrize("case", list(PENALTY_CASES))
+def test_kl_penalty_and_entropy_bonus_gradients_match_plain_autograd(case, ranks, tiny_path, tmp_path):
+    """One step, token_mean, 1 rank: the learner's gradient after ``accumulate_grads`` is that
+    of policy loss + kl_coef * token-mean KL estimate to the reference (the initial weights)
+    - entropy_coef * token-mean entropy of the temperature-scaled distribution at loss
+    positions, computed here with plain autograd; and the penalty's own part of it matches."""
+    import pickle
+
+    ranks.run(_penalty_worker, (1, free_port(), tiny_path, str(tmp_path), case))
+    with open(os.path.join(tmp_path, "penalty.pkl"), "rb") as f:
+        out = pickle.load(f)
+    kl_coef, entropy_coef = (0.1, 0.0) if case.startswith("kl") else (0.0, 0.01)
+    assert out["has_ref"] == (kl_coef > 0)  # a reference model exactly when there is a KL term
+    assert out["first"]["train/optimizer_steps"] == 1
+    assert any(not np.array_equal(out["initial"][n], out["weights"][n]) for n in out["initial"])
+    batch = make_batch(8, seed=6)
+    want, sums = _penalty_loss_by_autograd(tiny_path, out["weights"], out["initial"], batch, kl_coef,
+                                           case.removeprefix("kl_"), entropy_coef)
+    got = out["grads"]
+    assert got.keys() == want["policy"].keys()
+    # the whole gradient, tensor by tensor
+    for name in got:
+        total = want["policy"][name] + want["kl"][name] + want["entropy"][name]
+        torch.testing.assert_close(got[name], total, rtol=1e-4, atol=1e-7, msg=name)
+    # the penalty's part (learner minus the policy term) equals the penalty term's gradient:
+    # a dropped coefficient, a flipped sign or the wrong reference shows here at once
+    extra = _flat(want["kl"] if kl_coef else want["entropy"])
+    got_extra = _flat(got) - _flat(want["policy"])
+    assert float(extra.norm()) > 5e-4 * float(_flat(want["policy"]).norm())  # not negligible
+    assert float((got_extra - extra).norm()) <= 1e-3 * float(extra.norm()), (
+        float((got_extra - extra).norm()), float(extra.norm()))
+    # the logged sums: the KL estimate (0 without a reference) and the entropy
+    count = sum(int(np.count_nonzero(m)) for m in batch.loss_mask)
+    assert out["sums"]["tokens"] == count
+    assert out["sums"]["entropy"] == pytest.approx(sums["entropy"], rel=1e-5)
+    if kl_coef:
+        assert out["sums"]["ref_kl"] == pytest.approx(sums["ref_kl"], rel=1e-4, abs=1e-7)
+        if case == "kl_k3":
+            assert sums["ref_kl"] > 0
+    else:
+        assert out["sums"]["ref_kl"] == 0.0

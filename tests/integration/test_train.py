@@ -1,0 +1,107 @@
+"""``train.py`` as a user runs it, a few steps each: an engine that fails to start stops the
+run and the learners setting up, a chat checkpoint on both weight paths, flat groups dropped
+or kept. The runs connect to the module's ``ray start --head`` (``shared_ray``), as on a
+multi-node cluster. Resume and Ctrl-C: tests/e2e/test_train.py; the reward rising:
+tests/e2e/test_learning.py."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.support.env import REPO, compose
+from tests.support.runs import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
+
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
+
+def test_an_engine_that_fails_to_start_stops_the_run_and_the_learners_setting_up(tmp_path):
+    """The learner ranks set up while the engines start (rl/cluster.py): when an engine fails
+    to start, the run fails naming it with its log, and the ranks, set up or not, go too."""
+    proc = subprocess.run([sys.executable, "train.py", "num_steps=3", "rollout.prompts_per_step=8",
+                           "logger=console", "rollout.device=cuda:99",  # no such device anywhere
+                           f"output_dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    failed = r"engine-\d exited with code \d+ while starting; last lines of .*engine_\d\.log"
+    assert re.search(failed, out), out[-3000:]
+    assert "[weights]" not in out  # the run stopped before planning any weight update
+    assert_nothing_left([])  # no rank on the shared head
+
+
+@pytest.mark.parametrize("weights", ["broadcast", "p2p"])
+def test_chat_checkpoint_gets_templated_prompts_on_both_weight_paths(chat_model_path, weights, tmp_path):
+    """``model=hf`` on an instruction-style checkpoint with ``model.chat_template=true``: the
+    engines receive each prompt as a user turn of the checkpoint's template, and the run
+    trains and syncs (every push checks each engine's weight version) to the end."""
+    args = ("model=hf", f"model.path={chat_model_path}", "model.chat_template=true", f"weights={weights}",
+            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2")
+    proc = train(*args, "num_steps=2", "logger=console", f"output_dir={tmp_path}")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert "step 2/2 | reward" in proc.stdout
+    m = re.search(r"\[rollout\] first prompt as sent \((\d+) tokens\): (.*)", proc.stdout + proc.stderr)
+    assert m, proc.stdout[-3000:]
+    from rl.model import load_tokenizer
+
+    tokenizer = load_tokenizer(chat_model_path)
+    first = compose(*args).task.build().next_prompts(1)[0].text
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": first}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith("<|system|>answer briefly.<|end|><|user|>")
+    assert ast.literal_eval(m.group(2)) == rendered  # decoded from the ids sent to the engines
+    assert int(m.group(1)) == len(re.sub(r"<\|\w+\|>", "#", rendered))  # a token per character or role tag
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+FLAT_PROMPTS = 2
+
+
+def _flat_reward_run(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """A tiny ``train.py`` run whose every reward is 0: ``exact_match`` against labels no
+    response can equal (a character outside the tokenizer's alphabet, longer than
+    ``rollout.max_new_tokens``), so every group's rewards are all equal."""
+    data = tmp_path / "prompts.jsonl"
+    label = "\\u2603" * 20  # JSON for 20 snowmen
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "{label}"}}\n' for c in "abcd"))
+    out = tmp_path / "out"
+    proc = train("task=jsonl", f"task.path={data}", "task.reward._target_=rl.tasks.rewards.exact_match",
+                 "transfer=ray", "logger=console", f"rollout.prompts_per_step={FLAT_PROMPTS}",
+                 "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
+                 f"output_dir={out}", "checkpoint.every=0", *overrides)
+    return proc, read_metrics(out)
+
+
+def test_dropping_every_flat_group_skips_the_update_and_still_logs(tmp_path):
+    """``algo.drop_zero_std_groups=true`` when every group is flat: each step counts all its
+    groups, takes no optimizer step, logs its full metrics row, and the run ends cleanly
+    (the step's data is removed and nothing is left running)."""
+    proc, rows = _flat_reward_run(tmp_path, "num_steps=3", "algo.drop_zero_std_groups=true")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert all(isinstance(r[k], float) and np.isfinite(r[k]) for k in REQUIRED), r
+        assert r["rollout/reward_mean"] == 0.0 and r["rollout/reward_std"] == 0.0
+        assert r["rollout/zero_std_groups"] == FLAT_PROMPTS, r
+        assert r["train/optimizer_steps"] == 0, r
+        assert r["train/loss"] == 0.0 and r["train/grad_norm"] == 0.0, r
+        assert r["transfer/bytes"] > 0 and r["weights/bytes"] > 0  # stored and synced as ever
+    assert "step 3/3 | reward" in proc.stdout
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+def test_flat_groups_kept_still_take_an_optimizer_step(tmp_path):
+    """The same run with ``algo.drop_zero_std_groups=false``: the flat groups are counted but
+    stay in the loss, so the step is taken (with zero advantages its gradient is exactly 0)."""
+    proc, rows = _flat_reward_run(tmp_path, "num_steps=1", "algo.drop_zero_std_groups=false")
+    (r,) = rows
+    assert r["step"] == 0 and r["rollout/zero_std_groups"] == FLAT_PROMPTS, r
+    assert r["train/optimizer_steps"] == 1, r
+    assert r["train/grad_norm"] == 0.0 and r["train/loss"] == 0.0, r
+    assert_nothing_left(engine_ports(proc.stdout))

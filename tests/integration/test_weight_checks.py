@@ -1,0 +1,143 @@
+"""The names check before the first push and the content check after the first pushes
+(``rl.weight_checks``), the learners' side on an in-process model and the engines' side on a
+real CPU engine over HTTP (or a server that answers as SGLang does for a Qwen2 model).
+``tests/integration/test_sglang_contract.py`` holds the route to the release's own."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl.config import HFRolloutConfig
+from rl.rollout.client import EngineClient
+from rl.rollout.engines.launcher import EngineProcess
+from rl.weight_checks import CONTENT_CHECKS, ContentCheck, check_names, pushed_model
+from tests.support.http_app import ThreadedApp
+
+QWEN2 = ["Qwen2ForCausalLM"]
+
+
+class Learners:
+    """``LearnerGroup.run`` on one in-process learner holding ``model`` (rank 0)."""
+
+    def __init__(self, model) -> None:
+        self.learner = SimpleNamespace(model=model, rank=0)
+        self.calls = 0
+
+    def run(self, fn, *args, rank0_only: bool = False):
+        self.calls += 1
+        return fn(self.learner, *args)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    from rl.model import load_model
+
+    return load_model(tiny_path)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path, tmp_path_factory):
+    proc = EngineProcess(0, HFRolloutConfig(engine_start_timeout_s=120), tiny_path, seed=0,
+                         log_dir=str(tmp_path_factory.mktemp("logs")), host="127.0.0.1")
+    url = proc.start()
+    yield EngineClient(url, "engine-0", timeout_s=60)
+    proc.stop()
+
+
+def test_check_names_asks_each_engine_its_architecture(tiny, engine):
+    check = check_names(Learners(tiny), [engine], "float32")
+    assert isinstance(check, ContentCheck) and engine.model_info()["architectures"] == QWEN2
+    wrapped = torch.nn.Module()
+    wrapped._orig_mod = tiny  # what torch.compile's wrapper holds
+    wrapped.config = tiny.config
+    with pytest.raises(ValueError, match=r"(?s)engine-0 \(http.*27 name\(s\) carry '_orig_mod.', inserted "
+                                         r"by torch.compile \(first: '_orig_mod.model.embed_tokens.weight'"):
+        check_names(Learners(wrapped), [engine], "float32")
+
+
+def test_the_first_pushes_are_read_back_and_a_difference_names_engine_and_parameter(tiny, engine):
+    """The engine holds the checkpoint the learners loaded: equal. A learner value the engine
+    does not hold, or values compared in another dtype than the engine's, is an error that
+    names the engine, the parameter and the first value that differs; after
+    ``CONTENT_CHECKS`` pushes nothing is read any more."""
+    shapes = pushed_model(SimpleNamespace(model=tiny))[1]
+    learners = Learners(tiny)
+    check = ContentCheck(shapes, "float32")
+    check.after_push(learners, [engine], version=0)
+    assert learners.calls == 1 and check.left == CONTENT_CHECKS - 1
+
+    other = {n: p.detach().clone() for n, p in tiny.named_parameters()}
+    other["model.norm.weight"][5] += 1.0
+    moved = SimpleNamespace(named_parameters=lambda: iter(other.items()))
+    with pytest.raises(RuntimeError) as e:
+        ContentCheck(shapes, "float32").after_push(Learners(moved), [engine], version=4)
+    message = str(e.value)
+    assert f"{engine.name}: parameter 'model.norm.weight' holds other values than the learners pushed " \
+           "as version 4: 1 of 64 values read back differ, the first at (5,)" in message
+    assert "q_proj" not in message and "v_proj" not in message
+
+    with pytest.raises(RuntimeError, match=r"\(bfloat16\)"):  # the engine runs float32
+        ContentCheck(shapes, "bfloat16").after_push(Learners(tiny), [engine], version=0)
+
+    for _ in range(CONTENT_CHECKS):
+        check.after_push(learners, [engine], version=1)
+    assert learners.calls == CONTENT_CHECKS and check.left == 0
+
+
+@pytest.fixture
+def qwen2_sglang():
+    """A server answering ``/get_weights_by_name`` as SGLang 0.5.23 does for a Qwen2 model."""
+    from aiohttp import web
+
+    seen = []
+
+    async def unserved(request):
+        seen.append(await request.json())
+        return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/get_weights_by_name", unserved)
+    server = ThreadedApp(app)
+    yield EngineClient(server.url, "engine-3", timeout_s=10), seen
+    server.close()
+
+
+def test_an_engine_that_cannot_serve_the_route_is_named_in_a_warning(tiny, engine, qwen2_sglang, caplog):
+    sglang, seen = qwen2_sglang
+    check = ContentCheck(pushed_model(SimpleNamespace(model=tiny))[1], "float32")
+    with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
+        check.after_push(Learners(tiny), [sglang, engine], version=0)
+        check.after_push(Learners(tiny), [sglang, engine], version=1)
+    assert [r["name"] for r in seen] == [seen[0]["name"], "model.embed_tokens.weight"]  # then left alone
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and sglang.name in warnings[0] and "not checked" in warnings[0]
+
+
+def test_a_name_the_engine_lacks_is_an_error_where_the_route_is_served(tiny, engine):
+    """SGLang answers an unknown name on a model that serves the route (Llama) with the same
+    400 as a model without it (Qwen2): the reference parameter tells the two apart."""
+    from aiohttp import web
+
+    async def only_the_embedding(request):
+        body = await request.json()
+        if body["name"] == "model.embed_tokens.weight":
+            return web.json_response([[0.0]])
+        return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/get_weights_by_name", only_the_embedding)
+    server = ThreadedApp(app)
+    try:
+        renamed = EngineClient(server.url, "engine-5", timeout_s=10)
+        check = ContentCheck(pushed_model(SimpleNamespace(model=tiny))[1], "float32")
+        with pytest.raises(RuntimeError) as e:
+            check.after_push(Learners(tiny), [renamed], version=1)
+        assert f"{renamed.name}: parameter '" in str(e.value)
+        assert "Get parameter by name failed" in str(e.value)
+        assert "engine-5" not in check.unserved
+    finally:
+        server.close()

@@ -1,0 +1,32 @@
+"""Reward functions for tests (importable by workers through ``_target_``), and how the
+end-to-end matrices pair data paths with weight paths."""
+
+
+def length_reward(response: str, label: str) -> float:
+    """Longer finished answers score higher: gives a random model non-zero advantages."""
+    return len(response) / 40
+
+
+WEIGHT_PATHS = ("broadcast", "p2p")
+
+
+def combination_halves(data_paths) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Every (data path, weight path) pair exactly once, split into two halves that each hold
+    every data path and every weight path: the synchronous sync matrix
+    (tests/e2e/test_weights.py) runs the first, the train_async.py matrix
+    (tests/e2e/test_async.py) the second. The two paths are independent by design;
+    running each pair once, in one of the two, keeps every pair end to end without paying for
+    each twice."""
+    labels = sorted(data_paths)
+    first = [(label, WEIGHT_PATHS[i % 2]) for i, label in enumerate(labels)]
+    if len(labels) == 1:  # one data path: both halves need both weight paths
+        first = [(labels[0], w) for w in WEIGHT_PATHS]
+        return first, list(first)
+    second = [(label, w) for label in labels for w in WEIGHT_PATHS if (label, w) not in first]
+    return first, second
+
+
+def finished_reward(response: str, label: str) -> float:
+    """1 for any answer that ends (unfinished ones score 0 before this is called): a random
+    model earns it now and then, and the tiny model learns to stop within a few dozen steps."""
+    return 1.0

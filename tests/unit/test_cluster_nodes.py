@@ -1,0 +1,64 @@
+"""Bad two-node input is refused naming what is missing, from the nodes Ray would list (no
+Ray here); the driver's watchdog names a port that stopped listening."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from rl.nodes import check_nodes
+from tests.support.env import compose
+
+
+def _node(ip: str, **resources: float) -> dict:
+    return {"Alive": True, "NodeID": ip, "NodeManagerAddress": ip,
+            "Resources": {"CPU": 2.0, "memory": 1e9, f"node:{ip}": 1.0, **resources}}
+
+
+HEAD, WORKER = _node("10.0.0.1", rollout_node=1), _node("10.0.0.2", train_node=1)
+
+
+def test_two_node_placement_is_two_node_8x8_with_other_numbers():
+    cpu = compose("cluster=two_node").cluster
+    gpu = compose("cluster=two_node_8x8", "rollout=sglang", "model.dtype=bfloat16").cluster
+    same = ("address", "min_nodes", "engine_resource", "learner_resource")
+    assert [getattr(cpu, f) for f in same] == [getattr(gpu, f) for f in same] == \
+        ["auto", 2, "rollout_node", "train_node"]
+    assert (cpu.gpus_per_engine, cpu.gpus_per_learner) == (0, 0)
+    check_nodes(cpu, [HEAD, WORKER])
+
+
+@pytest.mark.parametrize("nodes,fragment", [
+    ([HEAD], "cluster=two_node needs 2 Ray nodes but the Ray cluster has 1 (10.0.0.1 ['rollout_node'])"),
+    ([HEAD, _node("10.0.0.2")], "no Ray node has the resource 'train_node' that cluster.learner_resource "
+                                "pins the training pool to"),
+    ([_node("10.0.0.1"), WORKER], "no Ray node has the resource 'rollout_node'"),
+    ([HEAD, {**WORKER, "Alive": False}], "has 1"),
+    ([_node("10.0.0.1", rollout_node=1, train_node=1), _node("10.0.0.2")],
+     "only ['10.0.0.1'] can hold them"),
+])
+def test_missing_node_or_resource_is_named(nodes, fragment):
+    with pytest.raises(ValueError) as e:
+        check_nodes(compose("cluster=two_node").cluster, nodes)
+    assert fragment in str(e.value)
+    assert "ray start" in str(e.value) or "start_worker.sh" in str(e.value)
+
+
+def test_gpu_pool_larger_than_the_nodes_is_refused():
+    cfg = compose("cluster=two_node_8x8", "rollout=sglang", "model.dtype=bfloat16").cluster
+    with pytest.raises(ValueError, match=r"rollout pool needs 8 x 1 GPUs but the nodes with "
+                                         r"'rollout_node' have 4"):
+        check_nodes(cfg, [_node("10.0.0.1", rollout_node=1, GPU=4), _node("10.0.0.2", train_node=1, GPU=8)])
+
+
+def test_watchdog_names_a_port_that_stopped_listening():
+    from rl.watchdog import Watchdog
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    dog = Watchdog()
+    dog.watch_port("engine-0 (http://127.0.0.1:%d)" % port, "127.0.0.1", port)
+    assert dog.check_now() is None
+    srv.close()
+    assert dog.check_now().startswith(f"engine-0 (http://127.0.0.1:{port}) died: 127.0.0.1:{port} refuses")
