@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
+from rl.log import setup_logging
 from rl.run import exit_on_interrupt
 
 register_configs()
@@ -26,6 +27,7 @@ atexit.register(gc.freeze)  # run last at exit: skip collecting every torch obje
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> None:
     cfg = load(dcfg)  # typed and validated: bad input fails here, before any worker starts
+    setup_logging(cfg.log_level)
 
     from rl.cluster import Cluster
     from rl.metrics import MetricsLogger

@@ -26,6 +26,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
+from rl.log import setup_logging
 from rl.run import exit_on_interrupt
 
 register_configs()
@@ -92,6 +93,7 @@ def fully_async(cfg, cluster, logger, runtime) -> None:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> None:
     cfg = load(dcfg)  # typed and validated: bad input fails here, before any worker starts
+    setup_logging(cfg.log_level)
     cfg.check_async()
 
     from rl.cluster import Cluster

@@ -11,6 +11,7 @@ and one training step take about the same time (the case where overlap pays most
 limit).
 
     python benchmarks/async_bench.py                        # default job, 20 steps per mode
+    python benchmarks/async_bench.py --out benchmarks/results/async.json   # the tracked results
     python benchmarks/async_bench.py --steps 30 -- transfer=mooncake_tcp weights=p2p
 """
 
@@ -64,13 +65,19 @@ def run_mode(script: str, overrides: list[str], steps: int, skip: int) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--skip", type=int, default=3, help="first steps left out of the averages")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "async.json"))
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "rl-benchmarks", "async.json"),
+                   help="where the JSON goes (default: %(default)s; "
+                        "benchmarks/results/async.json updates the tracked results)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every mode (after --)")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     job = JOB + args.overrides
     results = {}

@@ -148,7 +148,7 @@ def table(ref: list[dict], dist: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out (start-up)")
@@ -157,7 +157,11 @@ def main() -> None:
                              "the distributed job; on the 2-core machine 1 was faster than 2)")
     parser.add_argument("--json", default=None, help="also write the medians here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both (after --)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.steps <= args.skip:
         raise SystemExit(f"--steps {args.steps} must exceed --skip {args.skip}")
 

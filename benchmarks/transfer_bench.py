@@ -27,8 +27,9 @@ the consumer on host B, and removes everything at the end. Backends run interlea
 run (the order rotates every run), so noise hits them alike; in the same rounds the link's
 ceiling is measured twice: ``iperf3`` (1 s, one stream, A -> B) and a Python socket moving the payload's
 byte count. For the packed codec, each Mooncake client call is timed (``--no-calls`` to skip)
-to show where PUT and GET spend their time. Results: a table on stdout and JSON under
-benchmarks/results/.
+to show where PUT and GET spend their time. Results: a table on stdout and JSON (``--out``;
+by default under the temp directory, so that the tracked benchmarks/results/ change only
+when asked).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -370,7 +372,7 @@ def two_hosts(args) -> None:
         net.remove()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--two-hosts", action="store_true", help="two network namespaces (root)")
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 512, 2048])
@@ -379,7 +381,10 @@ def main() -> None:
                    help="who lends the Mooncake segment (training: the consumer, as train.py)")
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="where the JSON goes (default: transfer_same_host.json or "
+                        f"transfer_two_hosts.json under {tempfile.gettempdir()}/rl-benchmarks; "
+                        "benchmarks/results/<that name> updates the tracked results)")
     p.add_argument("--chunk-bytes", type=int, default=4 << 20,
                    help="Mooncake chunk size (transfer.chunk_bytes)")
     p.add_argument("--no-iperf3", dest="iperf3", action="store_false",
@@ -390,12 +395,17 @@ def main() -> None:
     p.add_argument("--ray-address", help=argparse.SUPPRESS)
     p.add_argument("--host-a", help=argparse.SUPPRESS)
     p.add_argument("--iperf3-server", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.out = args.out or os.path.join(
+        tempfile.gettempdir(), "rl-benchmarks",
+        "transfer_two_hosts.json" if args.two_hosts or args.inner else "transfer_same_host.json")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.iperf3 and not args.inner and not shutil.which("iperf3"):
         sys.exit("iperf3 is not installed: apt-get install -y iperf3 (or pass --no-iperf3)")
-    args.out = args.out or os.path.join(
-        REPO, "benchmarks", "results",
-        "transfer_two_hosts.json" if args.two_hosts or args.inner else "transfer_same_host.json")
     if args.inner:
         inner_two_hosts(args)
     elif args.two_hosts:

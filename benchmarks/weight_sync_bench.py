@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +186,7 @@ def run_one(path: str, urls: list[str], learners: int, num_params: int, bucket_b
             "gbps": model_bytes * engines / 1e9 / result["seconds"]}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, nargs="+", default=[1.3e5, 25e6, 125e6, 500e6])
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4])
@@ -193,8 +194,14 @@ def main() -> None:
     p.add_argument("--bucket-bytes", type=int, default=512 << 20)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "weight_sync.json"))
-    args = p.parse_args()
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "rl-benchmarks", "weight_sync.json"),
+                   help="where the JSON goes (default: %(default)s; "
+                        "benchmarks/results/weight_sync.json updates the tracked results)")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     rows = []
     procs, urls = start_receivers(max(args.engines))
     print("| params | E | R | path | s/sync | busiest sender (models) | GB/s delivered |")

@@ -10,6 +10,7 @@ one answer back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -19,8 +20,11 @@ from rl.backends import data_path, weight_path
 from rl.config import Config
 from rl.faults import (EngineFaults, EngineUpdateFailed, LearnerDied, death_reason, first_line,
                        learner_death, pid_and_node)
+from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK
 from rl.runtime import Runtime
-from rl.weight_checks import ContentCheck, check_names
+from rl.weight_checks import ContentCheck, CoverageCheck, check_names
+
+logger = logging.getLogger(__name__)
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +48,7 @@ class Cluster:
         self.watchdog = None  # set by __enter__: the entry points' runs watch their dependencies
         self.faults = EngineFaults(self)
         self.content_check: ContentCheck | None = None  # set by start()
+        self.coverage_check: CoverageCheck | None = None  # set by start()
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -54,12 +59,14 @@ class Cluster:
         data = data_path(cfg.transfer)
         env = {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads), "TOKENIZERS_PARALLELISM": "false",
                "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING"),  # Mooncake logs INFO by default
-               "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+               "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
+               LEVEL_ENV: cfg.log_level}
         if not ray.is_initialized():
             if _starts_local_ray(cfg.cluster.address):  # a one-node Ray of our own: check first
                 data.check_environment(1, estimate_step_bytes(cfg), self.batches_held)
             ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
-                     include_dashboard=False, runtime_env={"env_vars": env},
+                     include_dashboard=False,  # the hook sets logging up in every worker (rl.log)
+                     runtime_env={"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK},
                      logging_level="WARNING")
             self._started_ray = True
         from rl.nodes import check_nodes
@@ -75,7 +82,7 @@ class Cluster:
             self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
         self.runtime = dataclasses.replace(self.runtime, transfer=services)
         c = cfg.cluster
-        print(f"[cluster] placement: {describe_placement(cfg)}", flush=True)
+        logger.info("placement: %s", describe_placement(cfg))
         if c.colocate:  # one pool: engine i and learner rank i share bundle i (CPU only)
             engine_pg = learner_pg = placement_group(
                 [_bundle(0, c.engine_resource)] * max(c.num_engines, c.num_learners), strategy="PACK")
@@ -98,11 +105,12 @@ class Cluster:
         self.rollout = RolloutHandle(cfg, self.runtime, self.engine_urls, _in_bundle(engine_pg, 0))
         self.learners.wait_set_up()
         plan = weight_path(cfg.weights).describe_plan(c.num_learners, self.engine_clients())
-        print(f"[weights] {cfg.weights.name} plan: {plan}", flush=True)
+        logger.info("%s plan: %s", cfg.weights.name, plan)
         with open(os.path.join(self.runtime.output_dir, "weights_plan.txt"), "w") as f:
             f.write(f"weights={cfg.weights.name}: {plan}\n")
         # before the first push: names an engine's loader would drop are refused here
         self.content_check = check_names(self.learners, self.engine_clients(), cfg.model.dtype)
+        self.coverage_check = CoverageCheck() if cfg.weights.check_coverage else None
         self.learners.connect_engines(self.engine_clients())
         return self
 
@@ -124,15 +132,15 @@ class Cluster:
         c = self.cfg.cluster
         self._engine_pg, self._env = pg, env
         self.engines = [self.engine_actor(i) for i in range(c.num_engines)]
-        print(f"[cluster] starting {c.num_engines} {self.cfg.rollout.name} engine(s); "
-              f"logs in {self.runtime.log_dir}", flush=True)
+        logger.info("starting %d %s engine(s); logs in %s", c.num_engines, self.cfg.rollout.name,
+                    self.runtime.log_dir)
         return [e.start.remote() for e in self.engines]
 
     def _wait_for_engines(self, started: list) -> None:
         import ray
 
         self.engine_urls = ray.get(started, timeout=self.cfg.rollout.engine_start_timeout_s + 60)
-        print(f"[cluster] engines up: {', '.join(self.engine_urls)}", flush=True)
+        logger.info("engines up: %s", ", ".join(self.engine_urls))
         for client in self.engine_clients():  # before any learner plans a weight-update group
             client.check_update_ranks()
 
@@ -151,10 +159,16 @@ class Cluster:
     def push_weights(self, version: int) -> dict[str, float]:
         """The learners' weights to every engine, as ``version``; with fault tolerance, dead
         engines are replaced first, and on a death during the push (``rl.faults``)."""
-        if not self.cfg.rollout.fault_tolerance:
-            metrics = self.learners.push_weights(version=version)
+        def push() -> dict[str, float]:
+            if not self.cfg.rollout.fault_tolerance:
+                return self.learners.push_weights(version=version)
+            return self.faults.push_weights(version)
+
+        if self.coverage_check is not None:  # the first push, twice (rl.weight_checks)
+            check, self.coverage_check = self.coverage_check, None
+            metrics = check.run(push, self.engine_clients())
         else:
-            metrics = self.faults.push_weights(version)
+            metrics = push()
         if self.content_check is not None:  # the first pushes are read back (rl.weight_checks)
             self.content_check.after_push(self.learners, self.engine_clients(), version)
         return metrics
@@ -225,15 +239,15 @@ class Cluster:
             # stopped is no failure of the run's.
             failure = self.watchdog.failure if interrupted or exc_type is None else self.watchdog.check_now()
         if interrupted:
-            print("[run] interrupted: stopping the run's processes", flush=True)
+            logger.warning("interrupted: stopping the run's processes")
         died = learner_death(exc, self.learners) if failure is None and exc is not None \
             and not interrupted else None
         self.shutdown(timeout_s=10 if failure or died else 60)  # graceful closes may wait on the dead
         if died:
             from rl.run import resume_hint
 
-            hint = resume_hint(self.cfg, self.runtime)  # after shutdown: the last thing printed
-            print(f"[run] {hint}", flush=True)
+            hint = resume_hint(self.cfg, self.runtime)  # after shutdown: the last line logged
+            logger.error("%s", hint)
             failure = f"{died}\n{hint}"
         if failure:
             raise RuntimeError(f"the run stopped: {failure}") from exc
@@ -294,7 +308,7 @@ class RolloutHandle:
         try:
             store.remove(self._ray.get(handle, timeout=300).partitions)
         except Exception as e:
-            print(f"[run] could not discard an unconsumed rollout batch: {e}", flush=True)
+            logger.warning("could not discard an unconsumed rollout batch: %s", e)
 
     @contextmanager
     def paused(self):
@@ -326,7 +340,7 @@ class RolloutHandle:
         try:
             return self._ray.get(self.actor.stop_stream.remote(), timeout=timeout_s or self.timeout_s)
         except Exception as e:
-            print(f"[run] could not stop the rollout stream cleanly: {e}", flush=True)
+            logger.warning("could not stop the rollout stream cleanly: %s", e)
             return None
 
     def state_dict(self) -> dict:
@@ -382,8 +396,8 @@ class LearnerGroup:
 
     def wait_set_up(self) -> None:
         self.where = self._ray.get(self._where)
-        print("[cluster] learner ranks: " + ", ".join(f"{r} (pid {pid} on {node})"
-                                                     for r, (pid, node) in enumerate(self.where)), flush=True)
+        logger.info("learner ranks: %s", ", ".join(f"{r} (pid {pid} on {node})"
+                                                   for r, (pid, node) in enumerate(self.where)))
         self._gather(self._setting_up)
 
     def _all(self, method: str, *args, timeout: float | None = None) -> list:
@@ -488,12 +502,12 @@ def _set_up(learner, rendezvous: tuple[str, int]) -> None:
 
 
 def _reported(what: str, fn, *args, **kwargs) -> None:
-    """``fn(*args, **kwargs)``, printing what failed instead of raising: a shutdown keeps
+    """``fn(*args, **kwargs)``, logging what failed instead of raising: a shutdown keeps
     stopping the rest."""
     try:
         fn(*args, **kwargs)
     except Exception as e:
-        print(f"[cluster] {what} failed: {e}", flush=True)
+        logger.warning("%s failed: %s", what, e)
 
 
 def _starts_local_ray(address: str | None) -> bool:

@@ -9,8 +9,11 @@ command that resumes the run (``rl.run.resume_hint``).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+
+logger = logging.getLogger(__name__)
 
 
 class EngineFaults:
@@ -42,9 +45,8 @@ class EngineFaults:
                     down = self.cluster.rollout.check_engines(self._unanswered(e))
                     if not down:
                         raise  # not an engine's death: the run's error
-                    print(f"[fault] the weight update to version {version} failed ({e}); "
-                          f"replacing {', '.join(f'engine-{i}' for i in down)} and pushing again",
-                          flush=True)
+                    logger.warning("the weight update to version %d failed (%s); replacing %s and "
+                                   "pushing again", version, e, ", ".join(f"engine-{i}" for i in down))
         finally:
             self.cluster.rollout.end_sync(ok)
         return {**metrics, "rollout/engine_restarts": float(self.restarts),
@@ -89,12 +91,12 @@ class EngineFaults:
         t0 = time.perf_counter()
         new = {}
         for i, why in sorted(down.items()):
-            print(f"[fault] engine-{i} died ({why}); starting a new one on its bundle", flush=True)
+            logger.warning("engine-%d died (%s); starting a new one on its bundle", i, why)
             old = c.engines[i]
             try:
                 ray.get(old.stop.remote(1.0), timeout=15)  # a hung server is killed, not waited for
             except Exception as e:  # its actor may be gone with it; the kill below is enough
-                print(f"[fault] stopping engine-{i}: {first_line(e)}", flush=True)
+                logger.warning("stopping engine-%d: %s", i, first_line(e))
             ray.kill(old)  # its server goes with it (PR_SET_PDEATHSIG)
             c.engines[i] = c.engine_actor(i)
             new[i] = c.engines[i].start.remote()
@@ -107,9 +109,9 @@ class EngineFaults:
         self.restarts = c.rollout.replace_engines({i: c.engine_urls[i] for i in new})
         c.learners.reconnect_engines(clients, sorted(new))
         took = time.perf_counter() - t0
-        print(f"[fault] {', '.join(clients[i].name for i in new)} started in {took:.1f}s "
-              f"(replacement {self.restarts} of at most {rc.max_engine_restarts}); "
-              f"it takes requests once it serves the pushed weights", flush=True)
+        logger.info("%s started in %.1fs (replacement %d of at most %d); it takes requests once "
+                    "it serves the pushed weights", ", ".join(clients[i].name for i in new), took,
+                    self.restarts, rc.max_engine_restarts)
         return took
 
 

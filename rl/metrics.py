@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 
 from rl.config import Config
 from rl.runtime import Runtime
 
+logger = logging.getLogger(__name__)
 
 class MetricsLogger:
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
@@ -47,7 +49,7 @@ def _init_wandb(cfg: Config, runtime: Runtime):
     run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, name=runtime.run_id,
                      dir=runtime.output_dir, mode=mode, tags=tags,
                      config=dataclasses.asdict(cfg))
-    print(f"[wandb] {mode} run {runtime.run_id} in {run.dir}", flush=True)
+    logger.info("W&B %s run %s in %s", mode, runtime.run_id, run.dir)
     return run
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -9,9 +10,13 @@ import sys
 import time
 from contextlib import contextmanager
 
-from rl.config import Config
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict, read_write
+
+from rl.config import Config, load
 from rl.runtime import Runtime
 
+logger = logging.getLogger(__name__)
 
 INTERRUPTED = 130
 """Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
@@ -23,8 +28,23 @@ def exit_on_interrupt(main) -> None:
     try:
         main()
     except KeyboardInterrupt:
-        print("[run] interrupted by the user (Ctrl-C)", file=sys.stderr, flush=True)
+        logger.warning("interrupted by the user (Ctrl-C)")
         sys.exit(INTERRUPTED)
+
+
+class CheckConfigFirst(Callback):
+    """Hydra callback (conf/config.yaml): validates the config before Hydra creates the run
+    directory (it does so before calling ``main``), so that a config error leaves nothing
+    behind. The error ends the process with its message, as ``main`` would have."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        job = config.copy()
+        with read_write(job), open_dict(job):
+            del job["hydra"]
+        try:
+            load(job)
+        except Exception as e:  # whatever load raises is the user's config error, reported
+            raise SystemExit(f"{type(e).__name__}: {e}") from None  # Hydra's callbacks swallow Exception
 
 
 def prepare_run(cfg: Config) -> Runtime:
@@ -49,7 +69,7 @@ def prepare_run(cfg: Config) -> Runtime:
                          f"at least that, e.g. {-(-largest // (1 << 20))}mb")
     runtime = Runtime(run_id=Runtime.new_run_id(cfg.run_name), output_dir=output_dir,
                       model_path=model_path)
-    print(f"[run] {runtime.run_id}: outputs in {output_dir}", flush=True)
+    logger.info("%s: outputs in %s", runtime.run_id, output_dir)
     return runtime
 
 
@@ -94,7 +114,7 @@ def resume(cfg: Config, cluster) -> int:
     state = read_trainer_state(path)
     cluster.learners.load(path)
     cluster.rollout.load_state_dict(state["rollout"])
-    print(f"[run] resumed from {path} at step {state['step']}", flush=True)
+    logger.info("resumed from %s at step %s", path, state["step"])
     return int(state["step"])
 
 
@@ -152,7 +172,7 @@ def consuming(store, ref):
         try:
             store.remove(ref.partitions)
         except Exception as e:
-            print(f"[run] could not remove the data of step {ref.step}: {e}", flush=True)
+            logger.warning("could not remove the data of step %d: %s", ref.step, e)
         raise
     store.remove(ref.partitions)
 
@@ -177,7 +197,7 @@ def maybe_save(cfg: Config, runtime: Runtime, cluster, step: int,
     write_trainer_state(path, {"step": step, "run_id": runtime.run_id,
                                "rollout": rollout_state or cluster.rollout.state_dict()})
     prune(root, cfg.checkpoint.keep_last)
-    print(f"[run] checkpoint {path}", flush=True)
+    logger.info("checkpoint %s", path)
 
 
 def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, float],
@@ -199,7 +219,7 @@ def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str
     from collections import Counter
 
     if ledger is None:
-        print("[run] samples: no ledger (the rollout manager did not answer)", flush=True)
+        logger.warning("samples: no ledger (the rollout manager did not answer)")
         return {}
     counts = Counter(o or "unfinished" for entry in ledger for o in entry["outcome"])
     # appended: a resumed run (same output_dir) adds its batches after the dead run's
@@ -208,6 +228,6 @@ def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str
             f.write(json.dumps(entry) + "\n")
     generated = sum(counts.values())
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k != "trained") or "none"
-    print(f"[run] samples: {generated} generated = {counts['trained']} trained + dropped "
-          f"({dropped}); ledger in samples.jsonl", flush=True)
+    logger.info("samples: %d generated = %d trained + dropped (%s); ledger in samples.jsonl",
+                generated, counts["trained"], dropped)
     return dict(counts)

@@ -11,13 +11,15 @@ run unwinds through its ``finally`` blocks and ``Cluster.__exit__`` raises an er
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import socket
 import threading
 from typing import Callable, Optional
-from urllib.parse import urlsplit
 
+from rl.probe import host_port, probe_port
+
+logger = logging.getLogger(__name__)
 Probe = Callable[[], Optional[str]]
 """None while alive, else why it is considered dead."""
 
@@ -25,7 +27,7 @@ Probe = Callable[[], Optional[str]]
 class Watchdog:
     def __init__(self, period_s: float = 1.0, misses: int = 3) -> None:
         self.period_s = period_s
-        self.misses = misses  # consecutive timeouts that count as dead (a refusal counts at once)
+        self.misses = misses  # consecutive misses that count as dead (a refusal counts at once)
         self.probes: list[tuple[str, Probe]] = []
         self.failure: Optional[str] = None
         self.fired = False
@@ -38,29 +40,19 @@ class Watchdog:
         self.probes.append((name, probe))
 
     def watch_port(self, name: str, host: str, port: int) -> None:
-        state = {"timeouts": 0}
+        state = {"misses": 0}
 
         def probe() -> Optional[str]:
-            try:
-                socket.create_connection((host, port), timeout=2).close()
-                state["timeouts"] = 0
-                return None
-            except socket.timeout:
-                state["timeouts"] += 1
-                return f"no answer on {host}:{port} for {self.misses} probes" \
-                    if state["timeouts"] >= self.misses else None
-            except ConnectionRefusedError as e:  # nothing listens there any more
-                return f"{host}:{port} refuses connections ({e.strerror or e})"
-            except OSError as e:  # unreachable, out of sockets...: a miss, not yet a death
-                state["timeouts"] += 1
-                return f"{host}:{port} unreachable for {self.misses} probes ({e.strerror or e})" \
-                    if state["timeouts"] >= self.misses else None
+            outcome, why = probe_port(host, port)
+            if outcome == "refused":  # nothing listens there any more
+                return why
+            state["misses"] = state["misses"] + 1 if outcome == "miss" else 0
+            return f"{why} for {self.misses} probes" if state["misses"] >= self.misses else None
 
         self.watch(name, probe)
 
     def watch_url(self, name: str, url: str) -> None:
-        u = urlsplit(url)
-        self.watch_port(name, u.hostname or "127.0.0.1", u.port or 80)
+        self.watch_port(name, *host_port(url))
 
     def check_now(self) -> Optional[str]:
         """Probe everything once; the first death found (or the one already recorded)."""
@@ -99,7 +91,7 @@ class Watchdog:
                     if self._stop.is_set():
                         return  # the run is already shutting down: let it finish
                     self.fired = True
-                    print(f"[watchdog] {self.failure}; stopping the run", flush=True)
+                    logger.error("%s; stopping the run", self.failure)
                     os.kill(os.getpid(), signal.SIGINT)  # the main thread unwinds as on Ctrl-C
                 return
 

@@ -39,6 +39,7 @@ from rl.config.task import (AdditionTaskConfig, JsonlTaskConfig, RepeatLetterTas
                             TaskConfig)
 from rl.config.transfer import MooncakeTransferConfig, RayTransferConfig, TransferConfig
 from rl.config.weights import BroadcastWeightsConfig, P2PWeightsConfig, WeightsConfig
+from rl.log import LEVELS
 
 __all__ = [
     "DTYPE_BYTES", "KL_ESTIMATORS", "LOSS_AGGS", "AdditionTaskConfig", "AlgoConfig", "BroadcastWeightsConfig",
@@ -59,6 +60,8 @@ class Config:
     """Run label for W&B and store keys; unset = derived from the time."""
     output_dir: Optional[str] = None
     """Where metrics, logs and checkpoints go; unset = Hydra's run directory."""
+    log_level: str = "INFO"
+    """Lowest level of the log lines every process prints (DEBUG, INFO, WARNING, ERROR)."""
     model: ModelConfig = MISSING
     rollout: RolloutConfig = MISSING
     transfer: TransferConfig = MISSING
@@ -71,6 +74,8 @@ class Config:
 
     def __post_init__(self) -> None:
         positive(self, "num_steps")
+        if self.log_level not in LEVELS:
+            raise ValueError(f"log_level={self.log_level!r} is not a level; use one of {', '.join(LEVELS)}")
         batch, learners = self.rollout.batch_size, self.cluster.num_learners
         if batch % learners:
             raise ValueError(
@@ -108,6 +113,9 @@ def register_configs() -> None:
     the YAML files under ``conf/`` extend them."""
     from hydra.core.config_store import ConfigStore
 
+    # conf/config.yaml's hydra.run.dir: output_dir when set, else a new directory per run
+    OmegaConf.register_new_resolver(
+        "coalesce", lambda *values: next((v for v in values if v is not None), None), replace=True)
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
     for group, schemas in _SCHEMAS.items():

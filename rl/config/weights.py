@@ -25,6 +25,9 @@ class WeightsConfig:
     """Side-group backend: ``gloo``, ``nccl``, or ``auto`` (nccl when learners use GPUs)."""
     timeout_s: float = 120.0
     """Bound on every group operation and engine call of a sync."""
+    check_coverage: bool = True
+    """At the first push, check that it writes every engine parameter (``rl/weight_checks.py``;
+    costs one push more)."""
 
     def __post_init__(self) -> None:
         self.bucket_bytes = parse_size(self.bucket_bytes, "weights.bucket_bytes")

@@ -9,11 +9,13 @@ servers, least outstanding requests first.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import requests
 
+logger = logging.getLogger(__name__)
 
 FLUSH_RETRY_S = 10.0
 """How long ``/flush_cache`` is retried after a weight update while the engine refuses it."""
@@ -184,8 +186,8 @@ class EngineClient:
         if self._has_sessions:
             self._request("POST", "/end_weight_update", {})
         if self.flush_after_update and not self.flush_cache():
-            print(f"[weights] {self.name}: /flush_cache still refused after {FLUSH_RETRY_S:.0f}s "
-                  f"(requests queued); cached prefixes may hold KV of the previous weights", flush=True)
+            logger.warning("%s: /flush_cache still refused after %.0fs (requests queued); cached "
+                           "prefixes may hold KV of the previous weights", self.name, FLUSH_RETRY_S)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._request("POST", "/destroy_weights_update_group", {"group_name": group_name},
@@ -199,6 +201,15 @@ class EngineClient:
         and "Get parameter by name failed"."""
         return self._request("POST", "/get_weights_by_name",
                              {"name": name, "truncate_size": truncate_size})
+
+    def check_weights(self, action: str) -> dict | None:
+        """SGLang's ``/weights_checker``: ``reset_tensors`` fills every parameter with random
+        values (answers ``{}``); ``checksum`` answers ``{rank: {tensor name: hash}}``. None
+        from an engine without the route (404)."""
+        body = self._request("POST", "/weights_checker", {"action": action}, ok_404=True)
+        if body is None:
+            return None
+        return {r["parallelism_info"][0]["rank"]: r["checksums"] for r in body.get("ranks") or []}
 
     # -- data plane ----------------------------------------------------------------------
     async def agenerate(self, session, payload: dict, timeout_s: float) -> list[dict]:
@@ -262,8 +273,8 @@ class EnginePool:
             return False
         self.state[i] = "down"
         self.down_reason[i] = reason
-        print(f"[rollout] {self.clients[i].name} is down ({reason}); its requests go to the "
-              f"other engines", flush=True)
+        logger.warning("%s is down (%s); its requests go to the other engines", self.clients[i].name,
+                       reason)
         return True
 
     def replace(self, i: int, client: EngineClient) -> None:

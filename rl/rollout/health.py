@@ -19,28 +19,21 @@ weight-update groups), and an answer that spans a suspension does not count.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from urllib.parse import urlsplit
 
+from rl.probe import host_port, probe_port
 from rl.rollout.client import EnginePool
 
 PORT_PROBE_S = 0.5
 
 
 def refused(url: str) -> str | None:
-    """Why the server at ``url`` is gone (its port refuses connections), or None."""
-    u = urlsplit(url)
-    host, port = u.hostname or "127.0.0.1", u.port or 80
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        return None
-    except ConnectionRefusedError:
-        return f"its process is gone ({host}:{port} refuses connections)"
-    except OSError:
-        return None  # slow or unreachable for a moment: /health_generate decides
+    """Why the server at ``url`` is gone (its port refuses connections), or None (a miss is
+    left to ``/health_generate``)."""
+    outcome, why = probe_port(*host_port(url))
+    return f"its process is gone ({why})" if outcome == "refused" else None
 
 
 class HealthMonitor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 import time
 
@@ -30,6 +31,7 @@ from rl.runtime import Runtime
 from rl.tasks import Prompt
 from rl.types import RolloutBatch, RolloutRef
 
+logger = logging.getLogger(__name__)
 
 class RolloutManager:
     def __init__(self, cfg: Config, runtime: Runtime, engine_urls: list[str]) -> None:
@@ -67,8 +69,8 @@ class RolloutManager:
                       for p in prompts]
         if not self._shown_prompt:  # what the engines really get, once a run (templates go wrong quietly)
             self._shown_prompt = True
-            print(f"[rollout] first prompt as sent ({len(prompt_ids[0])} tokens): "
-                  f"{self.tokenizer.decode(prompt_ids[0])!r}", flush=True)
+            logger.info("first prompt as sent (%d tokens): %r", len(prompt_ids[0]),
+                        self.tokenizer.decode(prompt_ids[0]))
         too_long = [len(ids) for ids in prompt_ids if len(ids) > rc.max_prompt_tokens]
         if too_long:
             raise ValueError(f"{len(too_long)} prompt(s) of up to {max(too_long)} tokens exceed "
@@ -231,8 +233,7 @@ class RolloutManager:
             self._synced = True
             self._resume_checks()
         if joined:
-            print(f"[rollout] {', '.join(self.pool.clients[i].name for i in joined)} back in service",
-                  flush=True)
+            logger.info("%s back in service", ", ".join(self.pool.clients[i].name for i in joined))
         return joined
 
     # -- fully async -------------------------------------------------------------------------
@@ -368,8 +369,8 @@ class Stream:
         self.stopping.set()
         self.thread.join(timeout=self.manager.cfg.rollout.request_timeout_s + 30)
         if self.thread.is_alive():
-            print("[rollout] the generation thread did not stop; a batch it still stores "
-                  "would be left behind", flush=True)
+            logger.warning("the generation thread did not stop; a batch it still stores would be "
+                           "left behind")
         with self.cond:
             leftover = list(self.ready)
             self.ready.clear()
@@ -411,7 +412,7 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
         now = time.perf_counter()
         if now - last_print > 5.0:  # long generations (real models) show progress
             last_print = now
-            print(f"[rollout] {label}: {done}/{total} samples, {now - t0:.0f}s", flush=True)
+            logger.info("%s: %d/%d samples, %.0fs", label, done, total, now - t0)
         return group
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

@@ -154,7 +154,7 @@ def test_train_py_survives_an_engine_killed_during_generation(master, prompts, t
     assert sum(r["rollout/retried_requests"] for r in rows) >= 1
     assert rows[-1]["rollout/engine_restarts"] == 1
     assert sum(r["rollout/engine_restart_s"] > 0 for r in rows) == 1
-    assert "[fault] engine-1 died" in out and "back in service" in out
+    assert "rl.faults: engine-1 died" in out and "back in service" in out
     assert master.keys() == []
     assert_nothing_left(engine_ports(out) + re.findall(r"engine-1 \(http://[\d.]+:(\d+)\) started", out))
 

@@ -30,7 +30,7 @@ def test_cli_refuses_bad_algo_before_any_worker(args, fragment):
     seconds = time.monotonic() - t0
     assert proc.returncode != 0
     assert fragment in proc.stderr + proc.stdout
-    assert "[cluster]" not in proc.stdout and "[run]" not in proc.stdout  # nothing was started
+    assert "rl.cluster:" not in proc.stdout and "rl.run:" not in proc.stdout  # nothing was started
     assert seconds < 10, seconds
 
 

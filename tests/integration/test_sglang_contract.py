@@ -18,10 +18,13 @@ from __future__ import annotations
 import ast
 import asyncio
 import copy
+import hashlib
 import json
+import typing
 from http import HTTPStatus
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import requests
 import torch
@@ -148,11 +151,17 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
                              backend="gloo", timeout_s=60)
         sync.connect([client])
         model = load_model(tiny_path)
+        # the coverage check's calls around the first push (rl.weight_checks): the push
+        # writes back every tensor the reset made random
+        assert client.check_weights("reset_tensors") == {}
         sync.push(model.named_parameters(), 3)
         assert client.get_weight_version() == "3"
         sync.close()
+        hashes = client.check_weights("checksum")
+        assert list(hashes) == [0] and "model.norm.weight" in hashes[0]
         # the content check after a push (rl.weight_checks) reads a few rows back
-        assert len(client.get_weights_by_name("model.layers.1.self_attn.v_proj.weight", truncate_size=2)) == 2
+        assert client.get_weights_by_name("model.norm.weight") == \
+            model.get_parameter("model.norm.weight").tolist()
     finally:
         proxy.close()
 
@@ -161,7 +170,7 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
     for path in ("/generate", "/health_generate", "/model_info", "/begin_weight_update",
                  "/update_weights_from_distributed", "/end_weight_update", "/flush_cache",
                  "/init_weights_update_group", "/destroy_weights_update_group", "/pause_generation",
-                 "/continue_generation", "/get_weights_by_name"):
+                 "/continue_generation", "/get_weights_by_name", "/weights_checker"):
         assert any(p == path for _, p in called), f"the client never called {path}"
     for method, path, body in proxy.seen:
         route = routes.get(path)
@@ -464,3 +473,52 @@ def test_cpu_engine_serves_weights_by_name_as_the_release(engine, tiny_path):
     qwen2 = WeightsByName(SimpleNamespace(modules=lambda: []))  # no get_weights_by_name
     want = qwen2.answer({"name": "model.norm.weight"})
     assert (want.status_code, want.content) == failed
+
+
+def test_cpu_engine_checks_weights_as_the_release(engine, tiny_path):
+    """``/weights_checker`` (the coverage check's route, ``rl.weight_checks``): a checksum
+    names the tensors the release's weight checker hashes (its own skip rules), each hashed
+    by its CPU ``tensor_hash``, the rank's and the engine's checksums as it folds them, in a
+    body its ``ChecksumInfo`` reads; ``reset_tensors`` makes every checked tensor random,
+    and a push writes them back; an action the engine does not serve is its 400 shape."""
+    from rl.model import load_model
+
+    ns = sgl.module_level("sglang.srt.utils.weight_checker",
+                          ["_NON_PERSISTENT_BUFFER_PATTERNS", "_is_non_persistent_buffer_name",
+                           "_is_skip_weight_check", "overall_checksum", "_hash_tensor"],
+                          {"hashlib": hashlib, "torch": torch, "Dict": dict, "Optional": typing.Optional})
+    ns = sgl.module_level("sglang.srt.managers.mm_utils", ["tensor_hash"], ns)
+    io = sgl.module_level(sgl.IO_STRUCT, ["ParallelismInfo", "ChecksumInfo"],
+                          {"msgspec": msgspec, "Dict": dict, "List": list})
+    model = load_model(tiny_path)
+    client = EngineClient(engine, "engine-0", timeout_s=60)
+    sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 20, backend="gloo",
+                         timeout_s=60)
+    sync.connect([client])
+    try:
+        sync.push(model.named_parameters(), 12)  # the engine holds exactly `model`
+        for skip in (None, ["mlp", "norm"]):
+            body = {"action": "checksum"} | ({} if skip is None else {"skip_tensor_list": skip})
+            r = requests.post(engine + "/weights_checker", json=body, timeout=60)
+            want = {n: ns["_hash_tensor"](t) for n, t in [*model.named_parameters(), *model.named_buffers()]
+                    if not ns["_is_skip_weight_check"](n, t, skip)}
+            assert r.status_code == 200 and r.json()["success"] is True, r.text
+            [rank] = r.json()["ranks"]
+            info = msgspec.convert(rank, io["ChecksumInfo"])
+            assert info.checksums == want and len(want) > 10
+            assert info.per_gpu_checksum == ns["overall_checksum"](want)
+            engine_checksum = hashlib.sha256(info.per_gpu_checksum.encode()).hexdigest()
+            assert r.json()["per_engine_checksum"] == engine_checksum
+            assert (skip is None) == any("mlp" in n for n in want)
+        bare = requests.get(engine + "/weights_checker", timeout=60)  # no body: the defaults
+        assert bare.json()["ranks"][0]["checksums"] == client.check_weights("checksum")[0]
+        before = client.check_weights("checksum")[0]
+        assert client.check_weights("reset_tensors") == {}
+        after = client.check_weights("checksum")[0]
+        assert after.keys() == before.keys() and all(after[n] != h for n, h in before.items())
+        sync.push(model.named_parameters(), 13)
+        assert client.check_weights("checksum")[0] == before  # every tensor written back
+    finally:
+        sync.close()
+    r = requests.post(engine + "/weights_checker", json={"action": "snapshot"}, timeout=60)
+    assert r.status_code == 400 and r.json()["success"] is False and "snapshot" in r.json()["message"]

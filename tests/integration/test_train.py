@@ -31,7 +31,7 @@ def test_an_engine_that_fails_to_start_stops_the_run_and_the_learners_setting_up
     assert proc.returncode != 0
     failed = r"engine-\d exited with code \d+ while starting; last lines of .*engine_\d\.log"
     assert re.search(failed, out), out[-3000:]
-    assert "[weights]" not in out  # the run stopped before planning any weight update
+    assert not re.search(r"rl\.cluster: \w+ plan:", out)  # the run stopped before planning any weight update
     assert_nothing_left([])  # no rank on the shared head
 
 
@@ -45,7 +45,8 @@ def test_chat_checkpoint_gets_templated_prompts_on_both_weight_paths(chat_model_
     proc = train(*args, "num_steps=2", "logger=console", f"output_dir={tmp_path}")
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
     assert "step 2/2 | reward" in proc.stdout
-    m = re.search(r"\[rollout\] first prompt as sent \((\d+) tokens\): (.*)", proc.stdout + proc.stderr)
+    m = re.search(r"rl\.rollout\.manager: first prompt as sent \((\d+) tokens\): (.*)",
+                  proc.stdout + proc.stderr)
     assert m, proc.stdout[-3000:]
     from rl.model import load_tokenizer
 

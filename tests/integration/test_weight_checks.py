@@ -14,8 +14,9 @@ import torch
 from rl.config import HFRolloutConfig
 from rl.rollout.client import EngineClient
 from rl.rollout.engines.launcher import EngineProcess
-from rl.weight_checks import CONTENT_CHECKS, ContentCheck, check_names, pushed_model
+from rl.weight_checks import CONTENT_CHECKS, ContentCheck, CoverageCheck, check_names, pushed_model
 from tests.support.http_app import ThreadedApp
+from transfer.weights.broadcast import BroadcastSync
 
 QWEN2 = ["Qwen2ForCausalLM"]
 
@@ -141,3 +142,37 @@ def test_a_name_the_engine_lacks_is_an_error_where_the_route_is_served(tiny, eng
         assert "engine-5" not in check.unserved
     finally:
         server.close()
+
+
+def test_the_first_push_must_write_every_engine_tensor(tiny, engine, qwen2_sglang, caplog):
+    """``CoverageCheck``: a push of every parameter passes (and is done twice); a push that
+    leaves one out is an error naming the engine and the tensor; an engine without
+    ``/weights_checker`` is named in a warning and only pushed to."""
+    sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 20, backend="gloo",
+                         timeout_s=60)
+    sync.connect([engine])
+    pushes = []
+
+    def push(leave_out=()):
+        pushes.append(1)
+        sync.push(((n, p) for n, p in tiny.named_parameters() if n not in leave_out), len(pushes))
+        return {"pushed": len(pushes)}
+
+    try:
+        with caplog.at_level(logging.INFO, logger="rl.weight_checks"):
+            assert CoverageCheck().run(push, [engine]) == {"pushed": 2}
+        assert any("writes every parameter of 1 engine" in r.getMessage() for r in caplog.records)
+        with pytest.raises(RuntimeError) as e:
+            CoverageCheck().run(lambda: push(leave_out={"model.norm.weight"}), [engine])
+        assert "engine-0 (http" in str(e.value) and "(rank 0): 1 of 27 tensors" in str(e.value)
+        assert "['model.norm.weight']" in str(e.value)
+        push()  # the engine holds the model again
+    finally:
+        sync.close()
+
+    sglang, _ = qwen2_sglang  # answers 404 to /weights_checker
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
+        assert CoverageCheck().run(lambda: {"pushed": 0}, [sglang]) == {"pushed": 0}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{sglang.name} has no /weights_checker: which of its parameters a push writes is not checked"]

@@ -54,4 +54,4 @@ def test_weight_misconfiguration_is_refused_before_workers_start(args, fragment)
     proc = subprocess.run([sys.executable, "train.py", *args, "logger=console"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and fragment in proc.stdout + proc.stderr, proc.stderr[-2000:]
-    assert "[cluster]" not in proc.stdout and time.monotonic() - t0 < 15
+    assert "rl.cluster:" not in proc.stdout and time.monotonic() - t0 < 15

@@ -122,6 +122,8 @@ def routes() -> dict[str, Route]:
                 ann = arg.annotation
                 if isinstance(ann, ast.Subscript) and isinstance(ann.slice, ast.Tuple):
                     ann = ann.slice.elts[0]  # Annotated[X, Body()]
+                if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", None) == "Optional":
+                    ann = ann.slice  # Annotated[Optional[X], Body()] = None: the body may be left out
                 body_type = ann.id if isinstance(ann, ast.Name) else None
         for dec in node.decorator_list:
             if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
@@ -196,6 +198,27 @@ def method(module: str, class_name: str, name: str, ns: dict):
     exec(compile(ast.Module(body=[fn], type_ignores=[]), source_path(module), "exec",
                  flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
     return ns.pop(name)
+
+
+def module_level(module: str, names: list[str], ns: dict) -> dict:
+    """The module-level functions, classes and assignments ``names`` of a wheel module,
+    executed from its source in ``ns`` (in source order; decorators dropped)."""
+    import copy
+
+    nodes = []
+    for node in _tree(module).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name in names:
+            node = copy.deepcopy(node)
+            node.decorator_list = []
+        elif not (isinstance(node, ast.Assign)
+                  and any(getattr(t, "id", None) in names for t in node.targets)):
+            continue
+        nodes.append(node)
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), source_path(module), "exec",
+                 dont_inherit=True), ns)
+    missing = [n for n in names if n not in ns]
+    assert not missing, f"{module}: no {missing}"
+    return ns
 
 
 def defines(module: str, class_name: str, name: str) -> bool:

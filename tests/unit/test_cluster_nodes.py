@@ -62,3 +62,34 @@ def test_watchdog_names_a_port_that_stopped_listening():
     assert dog.check_now() is None
     srv.close()
     assert dog.check_now().startswith(f"engine-0 (http://127.0.0.1:{port}) died: 127.0.0.1:{port} refuses")
+
+
+def test_a_port_without_answer_is_a_miss_and_dead_only_after_repeated_misses(monkeypatch):
+    """``rl.probe``: a refusal is a death at once; no answer (a listener whose accept queue
+    is full drops the handshake) is a miss, which the watchdog counts: dead at the third in
+    a row, and an answer resets it."""
+    import rl.probe
+    from rl.watchdog import Watchdog
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    queued = []
+    try:
+        with pytest.raises(TimeoutError):
+            for _ in range(8):  # fill the accept queue; then a handshake gets no answer
+                queued.append(socket.create_connection(("127.0.0.1", port), timeout=0.2))
+        outcome = rl.probe.probe_port("127.0.0.1", port, timeout_s=0.2)
+        assert outcome == ("miss", f"no answer on 127.0.0.1:{port}")
+    finally:
+        for c in queued:
+            c.close()
+        srv.close()
+    assert rl.probe.probe_port("127.0.0.1", port)[0] == "refused"
+    outcomes = iter([("miss", "no answer on h:1")] * 2 + [("up", None)] + [("miss", "no answer on h:1")] * 3)
+    monkeypatch.setattr("rl.watchdog.probe_port", lambda host, port: next(outcomes))
+    dog = Watchdog(misses=3)
+    dog.watch_port("master", "h", 1)
+    assert [dog.check_now() for _ in range(5)] == [None] * 5
+    assert dog.check_now() == "master died: no answer on h:1 for 3 probes"

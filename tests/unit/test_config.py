@@ -137,6 +137,7 @@ def test_sizes(value, expected):
     (("cluster.gpus_per_learner=1", "cluster.colocate=true"), "cluster.colocate=true with GPUs"),
     ("cluster.gpus_per_engine=1", "rollout=hf runs one process per engine"),
     ("rollout=sglang", "rollout=sglang needs GPUs: set cluster.gpus_per_engine"),
+    ("log_level=info", "log_level='info' is not a level; use one of DEBUG, INFO, WARNING, ERROR"),
 ])
 def test_bad_values_name_the_field(override, fragment):
     with pytest.raises(ValueError, match=None) as e:

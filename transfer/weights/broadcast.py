@@ -10,6 +10,7 @@ parameters; only rank 0 sends.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -21,6 +22,7 @@ from transfer.weights.base import WeightReceiver, dtype_name, full_tensor, iter_
 from transfer.net import free_port
 from transfer.weights.group import SideGroup, init_side_group
 
+logger = logging.getLogger(__name__)
 
 class EngineRefused(RuntimeError):
     """An engine refused a bucket (e.g. an update outside a weight-update session)."""
@@ -159,11 +161,11 @@ class BroadcastSync:
         done, pending = wait(futures, timeout=wait_s)
         for f in done:
             if f.exception() is not None:
-                print(f"[weights] {futures[f].name}: closing the session after a failed push: "
-                      f"{f.exception()}", flush=True)
+                logger.warning("%s: closing the session after a failed push: %s", futures[f].name,
+                               f.exception())
         for f in pending:
-            print(f"[weights] {futures[f].name}: no answer to end_weight_update within {wait_s:.0f}s "
-                  f"after a failed push", flush=True)
+            logger.warning("%s: no answer to end_weight_update within %.0fs after a failed push",
+                           futures[f].name, wait_s)
 
     def _on_engines(self, method: str) -> None:
         assert self._pool is not None, "connect() first"
@@ -251,7 +253,7 @@ class BroadcastSync:
                 try:
                     r.destroy_weights_update_group(self.group_name)
                 except Exception as e:  # an engine already gone has nothing left to destroy
-                    print(f"[weights] {r.name}: destroy_weights_update_group failed: {e}", flush=True)
+                    logger.warning("%s: destroy_weights_update_group failed: %s", r.name, e)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

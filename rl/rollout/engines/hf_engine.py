@@ -11,6 +11,7 @@ between ``begin_weight_update`` and ``end_weight_update``, and refuses before re
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ from rl.rollout.engines.sampling import BatchSampler, GenRequest
 from transfer.weights.group import SideGroup, init_side_group
 
 __all__ = ["GenRequest", "GenResult", "HFEngine"]
+
+UNCHECKED_BUFFERS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis",
+                     "expert_mask_gpu")
+"""Name parts of the buffers SGLang's weight checker leaves alone (derived, not loaded)."""
 
 OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() "
                    "and end_weight_update()")
@@ -212,6 +217,38 @@ class HFEngine:
         if group is None:
             raise ValueError("The group to be destroyed does not exist.")
         group.destroy()
+
+    def check_weights(self, action: str, skip: list[str] | None = None) -> dict | None:
+        """SGLang's ``/weights_checker`` for the two actions the driver uses
+        (``utils/weight_checker.py``): ``reset_tensors`` fills every checked tensor with
+        random values, ``checksum`` answers one hash per checked tensor and one over all.
+        Checked: every parameter and buffer but derived buffers and names containing an
+        entry of ``skip``. The hash is SGLang's for CPU tensors (the first 8 bytes of the
+        SHA-256 of the tensor's bytes); only equality between two answers of one engine
+        means anything."""
+        with self.lock:
+            tensors = {n: t for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
+                       if not any(p in n for p in (*UNCHECKED_BUFFERS, *(skip or ())))}
+            if action == "reset_tensors":
+                for t in tensors.values():
+                    noise = (torch.rand(t.shape, generator=self.generator, device=self.device)
+                             if t.dtype.is_floating_point else
+                             torch.randint(0, 2, t.shape, generator=self.generator, device=self.device))
+                    t.data.copy_(noise.to(t.dtype))
+                return None
+            if action != "checksum":
+                raise ValueError(f"action={action!r} is not supported by the CPU engine "
+                                 "(it serves checksum and reset_tensors)")
+            checksums = {n: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1)
+                                           .view(torch.uint8).numpy()).digest()[:8].hex()
+                         for n, t in tensors.items()}
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode() + checksums[name].encode())
+        return {"checksums": checksums, "per_gpu_checksum": overall.hexdigest(),
+                "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0,
+                                      "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0,
+                                      "size": 1}]}
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """SGLang's semantics (``LlamaForCausalLM.get_weights_by_name``, the reference the

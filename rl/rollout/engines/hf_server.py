@@ -7,8 +7,9 @@ Routes as in SGLang's ``srt/entrypoints/http_server.py``, with the same fields a
 deprecated alias ``/get_model_info``), ``/server_info`` (``/get_server_info``), ``/flush_cache``,
 ``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
 ``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``,
-``/destroy_weights_update_group``, ``/get_weights_by_name``. Bad input is a 400 naming the
-problem, never a crash, in the body SGLang's server gives that kind of input:
+``/destroy_weights_update_group``, ``/get_weights_by_name``, ``/weights_checker``. Bad input
+is a 400 naming the problem, never a crash, in the body SGLang's server gives that kind of
+input:
 
 - a body that is not JSON, not an object, or (control routes) lacks a field or has one of
   the wrong type: FastAPI refuses it before the route runs, and SGLang's
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -413,6 +415,25 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
             logger.error("get_weights_by_name(%r): %s", name, e)
             raise RequestError(WEIGHTS_UNSERVED) from None
         return web.json_response(values)
+
+    @routes.route("GET", "/weights_checker")
+    @routes.route("POST", "/weights_checker")
+    async def weights_checker(request):
+        """SGLang's ``CheckWeightsReqInput`` (``action``, default ``checksum``;
+        ``skip_tensor_list``; a request without a body takes the defaults). A checksum
+        answers SGLang's body: ``ranks`` (one entry per rank) and ``per_engine_checksum``."""
+        b = await _body(request) if (await request.read()).strip() else {}
+        action = _field(b, "action", as_str, "checksum")
+        skip = _field(b, "skip_tensor_list", _str_list, None)
+        try:
+            info = await run_blocking(engine.check_weights, action, skip)
+        except ValueError as e:
+            return _outcome(False, str(e))
+        body = {"success": True, "message": "Success."}
+        if info is not None:
+            body["ranks"] = [info]
+            body["per_engine_checksum"] = hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()
+        return web.json_response(body)
 
     @routes.route("POST", "/generate")
     @routes.route("PUT", "/generate")

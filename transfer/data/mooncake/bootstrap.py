@@ -21,6 +21,7 @@ nothing from ``rl``). Error messages name the settings as a user of the trainer 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -30,6 +31,7 @@ from transfer.data.mooncake.client import (PROTOCOLS, MooncakeSettings, import_m
 from transfer.data.mooncake.master import MooncakeMaster
 from transfer.units import human_size
 
+logger = logging.getLogger(__name__)
 NODE_ENV = ("MOONCAKE_LOCAL_HOSTNAME",)
 """Variables a client reads on its own node (exported there before ``ray start``); with
 several nodes the driver reads each node's values and hands them to ``check_node_env``."""
@@ -80,7 +82,7 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
               master_server_address=master_server_address, local_hostname=local_hostname,
               protocol=protocol, device_name=device_name, global_segment_size=global_segment_size,
               replica_num=replica_num)
-    print(f"[mooncake] {describe_protocol(protocol, device_name)}", flush=True)
+    logger.info("%s", describe_protocol(protocol, device_name))
     master = master_server_address or os.environ.get("MOONCAKE_MASTER")
     if master:
         metadata = (metadata_server or os.environ.get("MOONCAKE_METADATA_SERVER")
@@ -94,8 +96,7 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
             "MOONCAKE_METADATA_SERVER=http://<ip>:8080/metadata on every node before `ray start`")
     m = MooncakeMaster("127.0.0.1", log_path=os.path.join(log_dir, "mooncake_master.log"))
     m.start(timeout_s=master_start_timeout_s)
-    print(f"[mooncake] started a local master (pid {m.proc.pid}) at {m.address}; "
-          f"log {m.log_path}", flush=True)
+    logger.info("started a local master (pid %d) at %s; log %s", m.proc.pid, m.address, m.log_path)
     return {"master_server_address": m.address, "metadata_server": m.metadata_server,
             "admin_url": m.admin_url, "master_pid": str(m.proc.pid)}, m.stop
 

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rpc-port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=8080, help="HTTP metadata server")
     parser.add_argument("--metrics-port", type=int, default=9003, help="admin/metrics HTTP")
-    parser.add_argument("--log", default="mooncake_master.log")
+    parser.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "mooncake_master.log"),
+                        help="the master's output (default: %(default)s, outside the repository)")
     args, extra = parser.parse_known_args(argv)
     master = MooncakeMaster(args.host, args.rpc_port, args.http_port, args.metrics_port,
                             log_path=args.log, die_with_parent=True, extra_args=extra).start()
