@@ -2,7 +2,7 @@
 
     python train.py                                      # tiny model on CPU: 2 engines, 2 learners
     python train.py transfer=mooncake_tcp weights=p2p    # choose each data path independently
-    python train.py --help                               # every config group and field
+    python train.py --help                               # the groups, their choices, the defaults' fields
 
 The rollout batch never passes through this process: ``generate`` returns a small ref
 (control plane), each learner rank fetches its own partition from the store (data plane).
