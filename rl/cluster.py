@@ -16,12 +16,25 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
+import ray
+from ray._private.services import canonicalize_bootstrap_address
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from rl.backends import data_path, weight_path
 from rl.config import Config
 from rl.faults import (EngineFaults, EngineUpdateFailed, LearnerDied, death_reason, first_line,
                        learner_death, pid_and_node)
+from rl.learner.learner import Learner
 from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK
+from rl.nodes import check_nodes, node_environments
+from rl.rollout.client import EngineClient
+from rl.rollout.engines.launcher import EngineProcess
+from rl.rollout.manager import RolloutManager
+from rl.run import resume_hint
 from rl.runtime import Runtime
+from rl.types import RolloutBatch
+from rl.watchdog import Watchdog, ray_nodes_probe
 from rl.weight_checks import ContentCheck, CoverageCheck, check_names
 
 logger = logging.getLogger(__name__)
@@ -52,9 +65,6 @@ class Cluster:
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
-        import ray
-        from ray.util.placement_group import placement_group
-
         cfg = self.cfg
         data = data_path(cfg.transfer)
         env = {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads), "TOKENIZERS_PARALLELISM": "false",
@@ -69,13 +79,9 @@ class Cluster:
                      runtime_env={"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK},
                      logging_level="WARNING")
             self._started_ray = True
-        from rl.nodes import check_nodes
-
         check_nodes(cfg.cluster, ray.nodes())  # a missing node or resource, named, before any worker
         num_nodes = len([n for n in ray.nodes() if n["Alive"]])
         if num_nodes > 1 and data.node_env:  # what each node exported before `ray start`
-            from rl.nodes import node_environments
-
             for node, node_env in node_environments(data.node_env).items():
                 data.check_node_env(node, node_env, num_nodes)
         services, self._stop_services = data.start_services(
@@ -116,10 +122,6 @@ class Cluster:
 
     def engine_actor(self, i: int):
         """Engine ``i``'s actor (not yet started), on bundle ``i`` of the engines' placement."""
-        import ray
-
-        from rl.rollout.engines.launcher import EngineProcess
-
         c = self.cfg.cluster
         return ray.remote(EngineProcess).options(
             num_cpus=0, num_gpus=c.gpus_per_engine or None,
@@ -137,16 +139,12 @@ class Cluster:
         return [e.start.remote() for e in self.engines]
 
     def _wait_for_engines(self, started: list) -> None:
-        import ray
-
         self.engine_urls = ray.get(started, timeout=self.cfg.rollout.engine_start_timeout_s + 60)
         logger.info("engines up: %s", ", ".join(self.engine_urls))
         for client in self.engine_clients():  # before any learner plans a weight-update group
             client.check_update_ranks()
 
     def engine_clients(self) -> list:
-        from rl.rollout.client import EngineClient
-
         rc = self.cfg.rollout
         # Engines paused in place keep their running batch, and SGLang refuses any flush
         # while it holds requests: no flush after a sync then (docs/sglang.md).
@@ -166,7 +164,7 @@ class Cluster:
 
         if self.coverage_check is not None:  # the first push, twice (rl.weight_checks)
             check, self.coverage_check = self.coverage_check, None
-            metrics = check.run(push, self.engine_clients())
+            metrics = check.run(push, self.engine_clients)
         else:
             metrics = push()
         if self.content_check is not None:  # the first pushes are read back (rl.weight_checks)
@@ -177,8 +175,6 @@ class Cluster:
     def shutdown(self, timeout_s: float = 60) -> None:
         """Stop everything this run started; safe to call after a partial start.
         ``timeout_s``: bound on each graceful close (short when something already died)."""
-        import ray
-
         if not ray.is_initialized():
             return
         # The learners, the manager and the driver's store close at once: a Mooncake client's
@@ -244,8 +240,6 @@ class Cluster:
             and not interrupted else None
         self.shutdown(timeout_s=10 if failure or died else 60)  # graceful closes may wait on the dead
         if died:
-            from rl.run import resume_hint
-
             hint = resume_hint(self.cfg, self.runtime)  # after shutdown: the last line logged
             logger.error("%s", hint)
             failure = f"{died}\n{hint}"
@@ -254,8 +248,6 @@ class Cluster:
 
     def _watch(self):
         """Probes of the Mooncake master, each engine server and the Ray nodes (rl.watchdog)."""
-        from rl.watchdog import Watchdog, ray_nodes_probe
-
         dog = Watchdog()
         master = self.runtime.transfer.get("master_server_address")
         if master:
@@ -274,10 +266,6 @@ class RolloutHandle:
     """The rollout manager actor, called like the plain class."""
 
     def __init__(self, cfg: Config, runtime: Runtime, engine_urls: list[str], placement=None) -> None:
-        import ray
-
-        from rl.rollout.manager import RolloutManager
-
         # threaded: a pause, a stop or Ctrl-C's cleanup is served while next_batch waits
         self.actor = ray.remote(RolloutManager).options(
             num_cpus=0, max_concurrency=4, scheduling_strategy=placement).remote(cfg, runtime, engine_urls)
@@ -373,10 +361,6 @@ class LearnerGroup:
     rank (the first error to arrive is often a surviving rank's broken collective)."""
 
     def __init__(self, cfg: Config, runtime: Runtime, pg) -> None:
-        import ray
-
-        from rl.learner.learner import Learner
-
         n = cfg.cluster.num_learners
         cls = ray.remote(Learner)
         self.actors = [cls.options(num_cpus=0, num_gpus=cfg.cluster.gpus_per_learner or None,
@@ -513,8 +497,6 @@ def _reported(what: str, fn, *args, **kwargs) -> None:
 def _starts_local_ray(address: str | None) -> bool:
     """Whether ``ray.init(address=address)`` starts a new one-node Ray here, by Ray's own rule:
     not when the address, ``RAY_ADDRESS`` or a ``ray start`` on this machine names a cluster."""
-    from ray._private.services import canonicalize_bootstrap_address
-
     try:
         return canonicalize_bootstrap_address(address) is None
     except Exception:  # an address Ray cannot read: ray.init says why
@@ -523,8 +505,6 @@ def _starts_local_ray(address: str | None) -> bool:
 
 def estimate_step_bytes(cfg: Config) -> int:
     """Upper bound of one step's rollout batch in a store, for capacity checks."""
-    from rl.types import RolloutBatch
-
     return RolloutBatch.estimate_nbytes(cfg.rollout.batch_size, cfg.rollout.max_prompt_tokens,
                                         cfg.rollout.max_new_tokens)
 
@@ -554,14 +534,10 @@ def _bundle(gpus: int, resource: str | None = None) -> dict[str, float]:
 
 
 def _in_bundle(pg, index: int):
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
 def _wait_ready(pgs: list, timeout_s: float) -> None:
-    import ray
-
     deadline = time.monotonic() + timeout_s
     for pg in pgs:
         remaining = max(1.0, deadline - time.monotonic())

@@ -20,8 +20,11 @@ leaves: an engine that accepts an update and keeps its old weights.
   each engine fills its tensors with random values (``reset_tensors``), the learners push,
   each engine hashes every tensor (``checksum``); then again. A tensor the push writes hashes
   the same both times; one it misses (a name the loader drops with a warning, a shard of a
-  fused parameter left out) holds other random values the second time and is named. Exact
-  whatever the model, and independent of the engine's hash function; it costs one push more.
+  fused parameter left out) holds other random values the second time and is named. It
+  needs the engine's hash function on neither side, and costs one push more. Checked: the
+  target model (a speculative-decoding draft is left alone), without SGLang's derived
+  buffers and the rotary tables (``COVERAGE_SKIP``). An engine that fails the check holds
+  random values in what the push missed: the run stops, and the engines must be restarted.
 
 What SGLang 0.5.23 serves there: its route calls the model's own ``get_weights_by_name``
 (``model_runner_components/weight_exporter.py``), which only a few model classes define
@@ -188,41 +191,84 @@ class ContentCheck:
         return problems
 
 
+COVERAGE_SKIP = ["rotary_emb"]
+"""Tensors the coverage check leaves alone besides SGLang's own skips: every rotary table
+(their buffers are derived, not loaded, and some variants' names escape SGLang's list,
+e.g. the dual-chunk tables of Qwen2.5's 1M-context models)."""
+
+
 class CoverageCheck:
     """The first push of a run, done twice between random resets of every engine tensor
     (module docstring): a tensor whose hash differs between the two was not written."""
 
-    def run(self, push, clients: list[EngineClient]) -> dict[str, float]:
-        """``push()`` twice, checked; returns the second push's metrics. ``RuntimeError``
-        naming each engine and the tensors the push left unwritten."""
+    def run(self, push, clients) -> dict[str, float]:
+        """``push()`` twice, checked; returns the second push's metrics. ``clients()``: the
+        engines' clients now (a push may replace a dead engine: rollout fault tolerance).
+        ``RuntimeError`` naming each engine and the tensors the push left unwritten."""
         t0 = time.monotonic()
-        served = [c for c in clients if c.check_weights("reset_tensors") is not None]
-        for c in clients:
-            if c not in served:
-                logger.warning("%s has no /weights_checker: which of its parameters a push "
-                               "writes is not checked", c.name)
-        if not served:
-            return push()
-        push()
-        first = {c.name: c.check_weights("checksum") for c in served}
-        for c in served:
-            c.check_weights("reset_tensors")
+        checked: dict[str, EngineClient] = {}
+        for c in clients():  # a read-only probe first: a release without the route keeps its weights
+            if self._ask(c, "checksum") is None:
+                logger.warning("%s cannot answer /weights_checker checksums: which of its parameters "
+                               "a push writes is not checked", c.name)
+            elif self._ask(c, "reset_tensors") is not None:
+                checked[c.name] = c
         metrics = push()
-        problems = []
-        for c in served:
-            second = c.check_weights("checksum")
-            for rank, hashes in sorted(second.items()):
-                before = first[c.name].get(rank, {})
-                missed = sorted(n for n, h in hashes.items() if before.get(n) != h)
-                if missed:
-                    problems.append(f"{c.name} (rank {rank}): {len(missed)} of {len(hashes)} tensors, "
-                                    f"first {missed[:8]}")
+        first = self._checksums(checked, clients)
+        for c in list(checked.values()):
+            if self._ask(c, "reset_tensors") is None:
+                checked.pop(c.name)
+        metrics = push()
+        second = self._checksums(checked, clients)
+        problems = [p for name in second if name in first
+                    for p in self._compare(checked[name], first[name], second[name])]
         if problems:
-            raise RuntimeError("the weight push does not write every parameter of the engines (a "
-                               "name the engine's loader drops, or a shard of a fused parameter "
-                               "left out); these hold random values now:\n  - "
-                               + "\n  - ".join(problems))
-        tensors = sum(len(hashes) for ranks in first.values() for hashes in ranks.values())
-        logger.info("the push writes every parameter of %d engine(s) (%d tensors checked in %.1fs)",
-                    len(served), tensors, time.monotonic() - t0)
+            raise RuntimeError(
+                "the weight push does not write every tensor of the engines (a name the engine's "
+                "loader drops, a shard of a fused parameter left out, or a tensor the model derives "
+                "that this check does not know); those tensors now hold random values, so restart "
+                "the engines, and set weights.check_coverage=false only for a tensor that is not a "
+                "weight:\n  - " + "\n  - ".join(problems))
+        compared = [name for name in second if name in first]
+        tensors = sum(len(hashes) for name in compared for hashes in second[name].values())
+        logger.info("the push writes every tensor of %d engine(s) (%d tensors checked in %.1fs)",
+                    len(compared), tensors, time.monotonic() - t0)
         return metrics
+
+    @staticmethod
+    def _ask(client: EngineClient, action: str):
+        """The engine's answer; None when it cannot (or died: fault tolerance deals with it)."""
+        try:
+            return client.check_weights(action, COVERAGE_SKIP)
+        except EngineError as e:
+            logger.warning("%s: /weights_checker %s failed (%s): its parameters are not checked",
+                           client.name, action, e)
+            return None
+
+    def _checksums(self, checked: dict[str, EngineClient], now) -> dict[str, dict]:
+        """Each checked engine's checksums; an engine replaced by the push (another URL) or
+        one that gives none leaves the check."""
+        urls = {c.name: c.url for c in now()}
+        out = {}
+        for name, c in list(checked.items()):
+            hashes = self._ask(c, "checksum") if urls.get(name) == c.url else None
+            if hashes is None:
+                checked.pop(name)
+            else:
+                out[name] = hashes
+        return out
+
+    @staticmethod
+    def _compare(client: EngineClient, first: dict, second: dict) -> list[str]:
+        if sorted(first) != sorted(second) or len(second) != client.num_ranks or \
+                not all(second.values()):
+            return [f"{client.name}: its checksums cover ranks {sorted(first)} then {sorted(second)} "
+                    f"(expected {client.num_ranks}, each with tensors)"]
+        problems = []
+        for rank, hashes in sorted(second.items()):
+            missed = sorted(n for n in first[rank].keys() | hashes.keys()
+                            if first[rank].get(n) != hashes.get(n))
+            if missed:
+                problems.append(f"{client.name} (rank {rank}): {len(missed)} of {len(hashes)} tensors, "
+                                f"first {missed[:8]}")
+        return problems

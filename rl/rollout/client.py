@@ -202,19 +202,34 @@ class EngineClient:
         return self._request("POST", "/get_weights_by_name",
                              {"name": name, "truncate_size": truncate_size})
 
-    def check_weights(self, action: str) -> dict | None:
-        """SGLang's ``/weights_checker``: ``reset_tensors`` fills every parameter with random
-        values (answers ``{}``); ``checksum`` answers ``{rank: {tensor name: hash}}``. None
-        from an engine without the route (404)."""
-        body = self._request("POST", "/weights_checker", {"action": action}, ok_404=True)
+    def check_weights(self, action: str, skip: list[str] | None = None) -> dict[int, dict[str, str]] | None:
+        """SGLang's ``/weights_checker`` on the target model (``selector``: a draft model of
+        speculative decoding is left alone): ``checksum`` answers ``{rank: {tensor: hash}}``;
+        ``reset_tensors`` fills every tensor with random values and answers ``{}``. Tensors
+        whose name contains an entry of ``skip`` are left out of both. None from an engine
+        that cannot: no route (404), or a release without the action (400)."""
+        try:
+            body = self._request("POST", "/weights_checker",
+                                 {"action": action, "selector": "target", "skip_tensor_list": skip},
+                                 ok_404=True)
+        except EngineError as e:
+            if e.status == 400 and "Unsupported" in str(e):
+                return None
+            raise
         if body is None:
             return None
-        return {r["parallelism_info"][0]["rank"]: r["checksums"] for r in body.get("ranks") or []}
+        ranks = {}
+        for r in body.get("ranks") or []:
+            info = r["parallelism_info"]  # a list of roles in 0.5.23, one object before
+            ranks[(info[0] if isinstance(info, list) else info)["rank"]] = r["checksums"]
+        return ranks
 
     # -- data plane ----------------------------------------------------------------------
     async def agenerate(self, session, payload: dict, timeout_s: float) -> list[dict]:
         """One ``/generate`` of one prompt; one answer per sample (SGLang answers a list when
         ``sampling_params.n`` > 1 and one object when it is 1)."""
+        # start-up cost: the driver imports this module for its blocking calls and never needs
+        # aiohttp (0.15 s)
         import aiohttp
 
         try:

@@ -31,6 +31,7 @@ import torch
 
 from rl.config import HFRolloutConfig
 from rl.rollout.client import EngineClient
+from rl.rollout.engines.hf_engine import UNCHECKED_BUFFERS
 from rl.rollout.engines.launcher import EngineProcess
 from rl.rollout.sglang_version import SGLANG_VERSION
 from tests.support import sglang_release as sgl
@@ -490,6 +491,7 @@ def test_cpu_engine_checks_weights_as_the_release(engine, tiny_path):
     ns = sgl.module_level("sglang.srt.managers.mm_utils", ["tensor_hash"], ns)
     io = sgl.module_level(sgl.IO_STRUCT, ["ParallelismInfo", "ChecksumInfo"],
                           {"msgspec": msgspec, "Dict": dict, "List": list})
+    assert UNCHECKED_BUFFERS == ns["_NON_PERSISTENT_BUFFER_PATTERNS"]
     model = load_model(tiny_path)
     client = EngineClient(engine, "engine-0", timeout_s=60)
     sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 20, backend="gloo",

@@ -144,10 +144,9 @@ def test_a_name_the_engine_lacks_is_an_error_where_the_route_is_served(tiny, eng
         server.close()
 
 
-def test_the_first_push_must_write_every_engine_tensor(tiny, engine, qwen2_sglang, caplog):
+def test_the_first_push_must_write_every_engine_tensor(tiny, engine, caplog):
     """``CoverageCheck``: a push of every parameter passes (and is done twice); a push that
-    leaves one out is an error naming the engine and the tensor; an engine without
-    ``/weights_checker`` is named in a warning and only pushed to."""
+    leaves one out is an error naming the engine and the tensor, and saying what to do."""
     sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 20, backend="gloo",
                          timeout_s=60)
     sync.connect([engine])
@@ -160,19 +159,72 @@ def test_the_first_push_must_write_every_engine_tensor(tiny, engine, qwen2_sglan
 
     try:
         with caplog.at_level(logging.INFO, logger="rl.weight_checks"):
-            assert CoverageCheck().run(push, [engine]) == {"pushed": 2}
-        assert any("writes every parameter of 1 engine" in r.getMessage() for r in caplog.records)
+            assert CoverageCheck().run(push, lambda: [engine]) == {"pushed": 2}
+        assert any("writes every tensor of 1 engine(s) (27 tensors" in r.getMessage() for r in caplog.records)
         with pytest.raises(RuntimeError) as e:
-            CoverageCheck().run(lambda: push(leave_out={"model.norm.weight"}), [engine])
+            CoverageCheck().run(lambda: push(leave_out={"model.norm.weight"}), lambda: [engine])
         assert "engine-0 (http" in str(e.value) and "(rank 0): 1 of 27 tensors" in str(e.value)
-        assert "['model.norm.weight']" in str(e.value)
+        assert "['model.norm.weight']" in str(e.value) and "restart the engines" in str(e.value)
         push()  # the engine holds the model again
     finally:
         sync.close()
 
-    sglang, _ = qwen2_sglang  # answers 404 to /weights_checker
-    caplog.clear()
+
+@pytest.fixture
+def old_sglang():
+    """Servers answering ``/weights_checker`` as a release without the route (404) and as
+    one without the ``checksum`` action (400 "Unsupported action"); the actions asked."""
+    from aiohttp import web
+
+    asked = []
+
+    async def no_checksum(request):
+        action = (await request.json())["action"]
+        asked.append(action)
+        if action == "checksum":
+            return web.json_response({"success": False, "message": f"Unsupported {action=}"}, status=400)
+        return web.json_response({"success": True, "message": "Success."})
+
+    app = web.Application()
+    app.router.add_post("/weights_checker", no_checksum)
+    without_action, without_route = ThreadedApp(app), ThreadedApp(web.Application())
+    yield (EngineClient(without_action.url, "engine-6", timeout_s=10),
+           EngineClient(without_route.url, "engine-7", timeout_s=10), asked)
+    without_action.close()
+    without_route.close()
+
+
+def test_an_engine_that_cannot_answer_checksums_is_not_reset_and_is_named(old_sglang, caplog):
+    """The read-only checksum comes first: an engine that cannot answer it keeps its weights
+    (no reset) and is named in a warning; the push still runs."""
+    without_action, without_route, asked = old_sglang
     with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
-        assert CoverageCheck().run(lambda: {"pushed": 0}, [sglang]) == {"pushed": 0}
+        assert CoverageCheck().run(lambda: {"pushed": 1}, lambda: [without_action, without_route]) == \
+            {"pushed": 1}
+    assert asked == ["checksum"]  # never reset
     assert [r.getMessage() for r in caplog.records] == [
-        f"{sglang.name} has no /weights_checker: which of its parameters a push writes is not checked"]
+        f"{c.name} cannot answer /weights_checker checksums: which of its parameters a push writes "
+        "is not checked" for c in (without_action, without_route)]
+
+
+def test_an_engine_replaced_during_the_check_leaves_it(tiny, engine, caplog):
+    """Rollout fault tolerance may replace an engine inside the push: one whose URL changed
+    leaves the check (its replacement loaded the checkpoint) instead of failing the run."""
+    replaced = EngineClient("http://127.0.0.1:9", engine.name, timeout_s=10)
+    calls = []
+
+    def push():
+        calls.append(1)
+        return {}
+
+    with caplog.at_level(logging.INFO, logger="rl.weight_checks"):
+        CoverageCheck().run(push, lambda: [engine] if not calls else [replaced])
+    assert len(calls) == 2 and any("writes every tensor of 0 engine(s)" in r.getMessage()
+                                   for r in caplog.records)
+    sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 20, backend="gloo",
+                         timeout_s=60)
+    sync.connect([engine])
+    try:
+        sync.push(tiny.named_parameters(), 1)  # the reset left the engine random: restore it
+    finally:
+        sync.close()

@@ -49,6 +49,7 @@ class HFEngine:
         self.eos_ids = list(eos_ids)
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._noise = torch.Generator(device=self.device).manual_seed(seed + 1)  # not the sampler's
         self.weight_version = weight_version
         self.lock = threading.Lock()  # a batch and a weight update never overlap
         self.groups: dict[str, SideGroup] = {}
@@ -231,9 +232,9 @@ class HFEngine:
                        if not any(p in n for p in (*UNCHECKED_BUFFERS, *(skip or ())))}
             if action == "reset_tensors":
                 for t in tensors.values():
-                    noise = (torch.rand(t.shape, generator=self.generator, device=self.device)
+                    noise = (torch.rand(t.shape, generator=self._noise, device=self.device)
                              if t.dtype.is_floating_point else
-                             torch.randint(0, 2, t.shape, generator=self.generator, device=self.device))
+                             torch.randint(0, 2, t.shape, generator=self._noise, device=self.device))
                     t.data.copy_(noise.to(t.dtype))
                 return None
             if action != "checksum":

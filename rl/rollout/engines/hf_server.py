@@ -39,8 +39,11 @@ import threading
 import time
 import traceback
 
+import torch
 from aiohttp import web
 
+from rl.model import eos_token_ids, load_model, load_tokenizer
+from rl.log import block_triton
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.protocol import ContractError, answer, parse_generate
 from rl.rollout.engines.sampling import RequestError, as_bool, as_int, as_list, as_str
@@ -420,11 +423,16 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
     @routes.route("POST", "/weights_checker")
     async def weights_checker(request):
         """SGLang's ``CheckWeightsReqInput`` (``action``, default ``checksum``;
-        ``skip_tensor_list``; a request without a body takes the defaults). A checksum
+        ``skip_tensor_list``; ``selector``: this engine has no draft model; a request without
+        a body, or with ``null``, takes the defaults). A checksum
         answers SGLang's body: ``ranks`` (one entry per rank) and ``per_engine_checksum``."""
-        b = await _body(request) if (await request.read()).strip() else {}
+        raw = (await request.read()).strip()
+        b = await _body(request) if raw and raw != b"null" else {}
         action = _field(b, "action", as_str, "checksum")
         skip = _field(b, "skip_tensor_list", _str_list, None)
+        _field(b, "allow_quant_error", as_bool, False)
+        if _field(b, "selector", as_str, "all") not in ("target", "draft", "all"):
+            raise BodyError(f"selector={b['selector']!r}: use target, draft or all")
         try:
             info = await run_blocking(engine.check_weights, action, skip)
         except ValueError as e:
@@ -463,10 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--weight-version", default="default")
     args = parser.parse_args(argv)
-
-    import torch
-
-    from rl.model import eos_token_ids, load_model, load_tokenizer
+    block_triton()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(args.seed)
