@@ -17,8 +17,10 @@ import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
-from rl.log import setup_logging
-from rl.run import exit_on_interrupt
+from rl.log import block_triton, setup_logging
+from rl.metrics import MetricsLogger
+from rl.run import (StepTimer, consuming, exit_on_interrupt, maybe_save, prepare_run, resume,
+                    step_metrics)
 
 register_configs()
 atexit.register(gc.freeze)  # run last at exit: skip collecting every torch object (~0.8 s a run)
@@ -27,11 +29,12 @@ atexit.register(gc.freeze)  # run last at exit: skip collecting every torch obje
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> None:
     cfg = load(dcfg)  # typed and validated: bad input fails here, before any worker starts
+    block_triton()
     setup_logging(cfg.log_level)
 
+    # imported here, not at the top (start-up cost): rl.cluster loads Ray and the roles, about
+    # 0.5 s that --help and a config error need not wait for
     from rl.cluster import Cluster
-    from rl.metrics import MetricsLogger
-    from rl.run import StepTimer, consuming, maybe_save, prepare_run, resume, step_metrics
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)

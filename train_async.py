@@ -26,16 +26,16 @@ import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
-from rl.log import setup_logging
-from rl.run import exit_on_interrupt
+from rl.log import block_triton, setup_logging
+from rl.metrics import MetricsLogger
+from rl.run import (StepTimer, checkpoint_due, consuming, exit_on_interrupt, maybe_save, prepare_run,
+                    resume, step_metrics, write_sample_ledger)
 
 register_configs()
 atexit.register(gc.freeze)  # run last at exit: skip collecting every torch object (~0.8 s a run)
 
 
 def one_step_off_policy(cfg, cluster, logger, runtime) -> None:
-    from rl.run import StepTimer, checkpoint_due, consuming, maybe_save, resume, step_metrics
-
     rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
     start = resume(cfg, cluster)
     cluster.push_weights(version=start)
@@ -63,9 +63,6 @@ def one_step_off_policy(cfg, cluster, logger, runtime) -> None:
 
 
 def fully_async(cfg, cluster, logger, runtime) -> None:
-    from rl.run import (StepTimer, checkpoint_due, consuming, maybe_save, resume, step_metrics,
-                        write_sample_ledger)
-
     rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
     start = resume(cfg, cluster)
     cluster.push_weights(version=start)
@@ -93,12 +90,13 @@ def fully_async(cfg, cluster, logger, runtime) -> None:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> None:
     cfg = load(dcfg)  # typed and validated: bad input fails here, before any worker starts
+    block_triton()
     setup_logging(cfg.log_level)
     cfg.check_async()
 
+    # imported here, not at the top (start-up cost): rl.cluster loads Ray and the roles, about
+    # 0.5 s that --help and a config error need not wait for
     from rl.cluster import Cluster
-    from rl.metrics import MetricsLogger
-    from rl.run import prepare_run
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)

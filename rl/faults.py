@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
+
+import ray
+
+from rl.rollout.health import restarts_used_up
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +61,6 @@ class EngineFaults:
         """Watchdog probe: the manager's word on whether the engines can still be replaced
         (a death past ``rollout.max_engine_restarts`` ends the run within a second, not at
         the next sync)."""
-        import ray
-
         actor = self.cluster.rollout.actor
 
         def probe() -> str | None:
@@ -79,13 +82,9 @@ class EngineFaults:
     def _replace(self, down: dict[int, str]) -> float:
         """Stop each dead engine for good and start a new one on its bundle; the learners
         form the update groups the new engines belong to again. Returns the seconds taken."""
-        import ray
-
         c = self.cluster
         rc = c.cfg.rollout
         if self.restarts + len(down) > rc.max_engine_restarts:
-            from rl.rollout.health import restarts_used_up
-
             raise RuntimeError(restarts_used_up(c.runtime.log_dir, down, rc.max_engine_restarts,
                                                 self.restarts))
         t0 = time.perf_counter()
@@ -129,15 +128,11 @@ class EngineUpdateFailed(RuntimeError):
 
 
 def pid_and_node(_actor) -> tuple[int, str]:
-    import ray
-
     return os.getpid(), ray.util.get_node_ip_address()
 
 
 def death_reason(e: Exception) -> str:
     """Ray's long ActorDiedError, cut to what happened to the process."""
-    import re
-
     text = str(e)
     detail = re.search(r"Worker exit detail: (.*?\.)(?: |$)", text)
     return f"its process is gone (Ray: {detail.group(1)})" if detail else text.strip().splitlines()[0]
@@ -145,8 +140,6 @@ def death_reason(e: Exception) -> str:
 
 def learner_death(exc: BaseException, learners) -> str | None:
     """Which learner ranks are gone, when the run fails with a Ray error (None: none is)."""
-    import ray
-
     seen = exc
     while seen is not None:  # the LearnerDied may sit under another error raised while unwinding
         if isinstance(seen, LearnerDied):

@@ -43,6 +43,18 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def setup_worker_logging() -> None:
-    """Ray's ``worker_process_setup_hook``: ``setup_logging`` at the driver's level."""
+    """Ray's ``worker_process_setup_hook``: ``setup_logging`` at the driver's level, and no
+    triton (``block_triton``)."""
+    block_triton()
     setup_logging(os.environ.get(LEVEL_ENV, "INFO"))
+
+
+def block_triton() -> None:
+    """Keep triton out of this process: ``import triton`` raises ImportError from now on.
+    torch imports triton only to probe for it (``torch._dynamo``, which transformers' model
+    code pulls in), and triton's nanobind bindings then print dozens of "leaked instance"
+    lines when the process exits. No process of a run executes a triton kernel (no
+    ``torch.compile``; an SGLang server is a process of its own, which this does not reach),
+    so the driver, the CPU engine and every Ray worker call this at start-up."""
+    sys.modules.setdefault("triton", None)
 

@@ -39,7 +39,7 @@ class MetricsLogger:
 
 def _init_wandb(cfg: Config, runtime: Runtime):
     try:
-        import wandb
+        import wandb  # optional dependency: only logger=wandb needs it
     except ImportError as e:
         raise ImportError("logger=wandb needs the wandb package: pip install wandb "
                           "(or use logger=console)") from e

@@ -8,7 +8,11 @@ bundles; these checks name the node or resource that is missing and the command 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl.config.cluster import ClusterConfig
 
@@ -61,13 +65,8 @@ def describe_nodes(nodes: list[dict[str, Any]]) -> str:
 def node_environments(names: tuple[str, ...], timeout_s: float = 60) -> dict[str, dict[str, str]]:
     """Each alive node's values of the environment variables ``names``, as Ray workers there
     see them (exported before ``ray start``, or set by the job): node address -> values."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     @ray.remote(num_cpus=0)
     def read(keys: tuple[str, ...]) -> dict[str, str]:
-        import os
-
         return {k: os.environ[k] for k in keys if k in os.environ}
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]

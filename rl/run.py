@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shlex
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
 from rl.config import Config, load
+from rl.learner.checkpoint import TRAINER_STATE, prune, read_trainer_state, step_dir, write_trainer_state
+from rl.model import largest_param_bytes, resolve_model_path
 from rl.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -49,13 +54,9 @@ class CheckConfigFirst(Callback):
 
 def prepare_run(cfg: Config) -> Runtime:
     """Resolve the run directory and the model checkpoint (building the tiny one if needed)."""
-    from rl.model import largest_param_bytes, resolve_model_path
-
     output_dir = cfg.output_dir
     if output_dir is None:
         try:
-            from hydra.core.hydra_config import HydraConfig
-
             output_dir = HydraConfig.get().runtime.output_dir
         except ValueError:  # not under @hydra.main (tests, notebooks)
             output_dir = os.path.join("outputs", time.strftime("%Y-%m-%d/%H-%M-%S"))
@@ -106,8 +107,6 @@ def checkpoint_root(cfg: Config, runtime: Runtime) -> str:
 
 def resume(cfg: Config, cluster) -> int:
     """Load ``checkpoint.resume`` into learners and manager; return the step to start at."""
-    from rl.learner.checkpoint import read_trainer_state
-
     if cfg.checkpoint.resume is None:
         return 0
     path = os.path.abspath(os.path.expanduser(cfg.checkpoint.resume))
@@ -121,8 +120,6 @@ def resume(cfg: Config, cluster) -> int:
 def newest_checkpoint(cfg: Config, runtime: Runtime) -> str | None:
     """The newest complete checkpoint (one with trainer_state.json) this run can resume from:
     the latest it saved, else the one it resumed from; None when there is none."""
-    from rl.learner.checkpoint import TRAINER_STATE, read_trainer_state
-
     root = checkpoint_root(cfg, runtime)
     found = [os.path.join(root, d) for d in (os.listdir(root) if os.path.isdir(root) else [])
              if d.startswith("step_") and os.path.exists(os.path.join(root, d, TRAINER_STATE))]
@@ -187,8 +184,6 @@ def maybe_save(cfg: Config, runtime: Runtime, cluster, step: int,
     """Save after ``step`` steps when due (and at the end); prune old checkpoints.
     ``rollout_state``: the manager's data position to record, when a later batch is already
     being generated (async)."""
-    from rl.learner.checkpoint import prune, step_dir, write_trainer_state
-
     if not checkpoint_due(cfg, step):
         return
     root = checkpoint_root(cfg, runtime)
@@ -215,9 +210,6 @@ def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, flo
 def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str, int]:
     """Append to ``samples.jsonl`` (one line per generated batch: each sample's weight version
     and outcome) and print this run's balance: generated = trained + dropped, by reason."""
-    import json
-    from collections import Counter
-
     if ledger is None:
         logger.warning("samples: no ledger (the rollout manager did not answer)")
         return {}

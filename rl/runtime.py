@@ -30,7 +30,7 @@ class Runtime:
 
 def node_ip() -> str:
     """This process's node address as Ray sees it (127.0.0.1 outside Ray)."""
-    try:
+    try:  # ray here (start-up cost): the driver imports this module before it validates the config
         import ray
 
         if ray.is_initialized():

@@ -17,6 +17,9 @@ import signal
 import threading
 from typing import Callable, Optional
 
+import ray
+
+from rl.nodes import describe_nodes
 from rl.probe import host_port, probe_port
 
 logger = logging.getLogger(__name__)
@@ -98,10 +101,6 @@ class Watchdog:
 
 def ray_nodes_probe() -> Probe:
     """Dead when a node alive now (at the call) leaves Ray's node table."""
-    import ray
-
-    from rl.nodes import describe_nodes
-
     def alive() -> dict[str, dict]:
         return {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
 

@@ -25,6 +25,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from rl.config import algo, cluster, logger, model, rollout, task, transfer, weights
@@ -111,8 +114,6 @@ _SCHEMAS: dict[str, dict[str, type]] = {
 def register_configs() -> None:
     """Register the root schema as ``schema`` and each group's schemas as ``schema/<group>/<name>``;
     the YAML files under ``conf/`` extend them."""
-    from hydra.core.config_store import ConfigStore
-
     # conf/config.yaml's hydra.run.dir: output_dir when set, else a new directory per run
     OmegaConf.register_new_resolver(
         "coalesce", lambda *values: next((v for v in values if v is not None), None), replace=True)
@@ -130,9 +131,6 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 def compose(*overrides: str) -> Config:
     """The typed config that ``python train.py <overrides>`` runs with, for tests and
     benchmarks (the entry points compose through ``@hydra.main``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return load(hydra_compose("config", overrides=list(overrides)))

@@ -4,6 +4,7 @@ it needs of the placement (``check_cluster``)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -125,8 +126,6 @@ class HFRolloutConfig(RolloutConfig):
 
     def server_command(self, model_path: str, host: str, port: int, index: int,
                        seed: int, gpus: int, dtype: str = "float32") -> list[str]:
-        import sys
-
         return [sys.executable, "-m", "rl.rollout.engines.hf_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--seed", str(seed + 1000 * index),
                 "--max-batch-size", str(self.max_batch_size),
@@ -175,8 +174,6 @@ class SGLangRolloutConfig(RolloutConfig):
 
     def server_command(self, model_path: str, host: str, port: int, index: int,
                        seed: int, gpus: int, dtype: str = "float32") -> list[str]:
-        import sys
-
         # SGLang is imported nowhere in this project: it only runs in the engine process.
         # --dtype: SGLang 0.5.23 accepts float32, bfloat16 and float16 as model.dtype spells
         # them; its default (auto) would run a float32 checkpoint in float16.

@@ -10,6 +10,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 
 from rl.config.checks import positive
+from rl.tasks.builtin import AdditionTask, RepeatLetterTask
+from rl.tasks.jsonl import JsonlTask, read_rows
 
 
 @dataclass(kw_only=True)
@@ -34,8 +36,6 @@ class RepeatLetterTaskConfig(TaskConfig):
         positive(self, "repeat")
 
     def build(self):
-        from rl.tasks.builtin import RepeatLetterTask
-
         return RepeatLetterTask(repeat=self.repeat, seed=self.seed)
 
 
@@ -49,8 +49,6 @@ class AdditionTaskConfig(TaskConfig):
         positive(self, "max_value")
 
     def build(self):
-        from rl.tasks.builtin import AdditionTask
-
         return AdditionTask(max_value=self.max_value, seed=self.seed)
 
 
@@ -63,8 +61,6 @@ class JsonlTaskConfig(TaskConfig):
     """Reward function: ``{_target_: module.function, **kwargs}``, called as f(response, label, **kwargs)."""
 
     def __post_init__(self) -> None:
-        from rl.tasks.jsonl import read_rows
-
         if not os.path.isfile(os.path.expanduser(self.path)):
             raise ValueError(f"task.path={self.path!r} does not exist (a JSONL file of "
                              '{"prompt": ..., "label": ...} lines)')
@@ -86,8 +82,6 @@ class JsonlTaskConfig(TaskConfig):
         self.reward = reward
 
     def build(self):
-        from rl.tasks.jsonl import JsonlTask
-
         return JsonlTask(path=os.path.expanduser(self.path), reward=self.reward, seed=self.seed)
 
 

@@ -22,6 +22,7 @@ from rl.learner import checkpoint
 from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
+from transfer.net import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -43,11 +44,10 @@ class Learner:
     # -- setup -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
         """(node IP, a free port) for the rank-0 rendezvous."""
-        from transfer.net import free_port
-
         return node_ip(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
+        # torch in the methods (start-up cost): the driver imports this module to make the actor
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -19,12 +19,14 @@ weight-update groups), and an answer that spans a suspension does not count.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rl.probe import host_port, probe_port
 from rl.rollout.client import EnginePool
+from transfer.process import log_tail
 
 PORT_PROBE_S = 0.5
 
@@ -132,10 +134,6 @@ def restarts_used_up(log_dir: str, down: dict[int, str], limit: int, made: int) 
 
 def describe_dead(log_dir: str, down: dict[int, str], lines: int = 5) -> str:
     """Each dead engine, why, and the last lines of its log (``engine_<i>.log``)."""
-    import os
-
-    from transfer.process import log_tail
-
     parts = []
     for i, why in sorted(down.items()):
         path = os.path.join(log_dir, f"engine_{i}.log")

@@ -27,6 +27,7 @@ from rl.config import Config
 from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch, split_balanced, zero_std_groups
 from rl.rollout.client import EngineClient, EngineError, EnginePool
+from rl.rollout.health import HealthMonitor, describe_dead, restarts_used_up
 from rl.runtime import Runtime
 from rl.tasks import Prompt
 from rl.types import RolloutBatch, RolloutRef
@@ -46,8 +47,6 @@ class RolloutManager:
         self.restarts = 0  # engines replaced (rollout.max_engine_restarts bounds it)
         self._synced = False
         if rc.fault_tolerance:
-            from rl.rollout.health import HealthMonitor
-
             self.monitor = HealthMonitor(self.pool, rc.health_check_interval_s, rc.health_check_timeout_s,
                                          rc.health_check_first_wait_s).start()
         self.store = data_path(cfg.transfer).build(runtime)
@@ -82,8 +81,6 @@ class RolloutManager:
                                                   stop=stop))
         except EngineError:
             if self.pool.retry and not self.pool.live():  # every engine down: say how each ended
-                from rl.rollout.health import describe_dead
-
                 raise RuntimeError("every engine is down:\n" + describe_dead(
                     self.runtime.log_dir, self.pool.down_reason)) from None
             raise
@@ -198,8 +195,6 @@ class RolloutManager:
         if self.monitor is None or self.pool.holding:
             return None
         rc, down = self.cfg.rollout, dict(self.pool.down_reason)
-        from rl.rollout.health import describe_dead, restarts_used_up
-
         if len(down) > rc.max_engine_restarts - self.restarts:
             return restarts_used_up(self.runtime.log_dir, down, rc.max_engine_restarts, self.restarts)
         if down and not self.pool.watched():
@@ -398,7 +393,7 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
     versions (``rl.rollout.batch.sample_weight_version``); a request per prompt (not one per
     batch) keeps SGLang's prefix warm-up of each prompt concurrent, where a batch with
     ``n > 1`` runs them one by one."""
-    import aiohttp
+    import aiohttp  # start-up cost: the driver imports this module to make the actor (0.15 s)
 
     total, done = len(prompt_ids) * n, 0
     t0 = last_print = time.perf_counter()

@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import ray
+
 from transfer.data.base import Columns, RemovedError, StoreRef, columns_nbytes
 
 
@@ -26,8 +28,6 @@ class RayStore:
     backend = "ray"
 
     def __init__(self) -> None:
-        import ray
-
         if not ray.is_initialized():
             raise RuntimeError("transfer=ray needs a running Ray (call ray.init first)")
         self._ray = ray

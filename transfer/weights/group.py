@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d  # module attributes: tests patch them
 
 logger = logging.getLogger(__name__)
 
@@ -99,26 +100,22 @@ def init_side_group(*, backend: str, master_address: str, master_port: int, rank
     ``world_size`` ranks, so start the other ranks' joins (SGLang's
     ``/init_weights_update_group``) before calling this on rank 0.
     """
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
-                                                    _new_process_group_helper, _world,
-                                                    rendezvous)
-
     if backend not in BACKENDS:
         raise ValueError(f"unknown weight-update backend {backend!r}; use one of {BACKENDS}")
     if not group_name:
         raise ValueError("a weight-update group needs a non-empty name")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(tcp_url(master_address, master_port), rank,
-                                              world_size, timeout=timeout))
+    store, rank, world_size = next(c10d.rendezvous(tcp_url(master_address, master_port), rank,
+                                                   world_size, timeout=timeout))
     store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
+    store = c10d.PrefixStore(group_name, store)
     with _errors_do_not_end_the_process(backend):
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                          group_name=group_name, backend_options=None,
-                                          timeout=timeout, device_id=None)
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                               group_name=group_name, backend_options=None,
+                                               timeout=timeout, device_id=None)
     # Group ranks equal "global" ranks here, so torch.distributed.broadcast(src=0, group=pg)
     # means the sender on both sides, whatever default world a process has.
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return SideGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, name=group_name)
 
 

@@ -78,7 +78,7 @@ def import_mooncake():
     # Mooncake logs at INFO by default (several lines per client); keep warnings and errors
     # unless the user asks for more. Read when the library loads.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    try:
+    try:  # optional dependency
         from mooncake import store
     except ImportError as e:
         raise explain_import_error(e) from e

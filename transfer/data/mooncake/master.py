@@ -28,7 +28,7 @@ from transfer.process import log_tail, start_child, stop
 
 def master_binary() -> str:
     """Path of ``mooncake_master``: the one shipped inside the mooncake wheel, else PATH."""
-    try:
+    try:  # optional dependency
         import mooncake
 
         path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
