@@ -18,8 +18,8 @@ from omegaconf import DictConfig
 
 from rl.config import load, register_configs
 from rl.log import block_triton, setup_logging
-from rl.metrics import MetricsLogger
-from rl.run import (StepTimer, consuming, exit_on_interrupt, maybe_save, prepare_run, resume,
+from rl.driver.metrics import MetricsLogger
+from rl.driver.run import (StepTimer, consuming, exit_on_interrupt, maybe_save, prepare_run, resume,
                     step_metrics)
 
 register_configs()
@@ -32,9 +32,9 @@ def main(dcfg: DictConfig) -> None:
     block_triton()
     setup_logging(cfg.log_level)
 
-    # imported here, not at the top (start-up cost): rl.cluster loads Ray and the roles, about
+    # imported here, not at the top (start-up cost): rl.driver.cluster loads Ray and the roles, about
     # 0.5 s that --help and a config error need not wait for
-    from rl.cluster import Cluster
+    from rl.driver.cluster import Cluster
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)

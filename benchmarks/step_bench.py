@@ -52,7 +52,8 @@ def reference(overrides: list[str], steps: int, threads: int) -> list[dict[str, 
     from rl.model import eos_token_ids, load_model, load_tokenizer, resolve_model_path
     from rl.rollout.engines.hf_engine import HFEngine
     from rl.rollout.engines.sampling import GenRequest, parse_sampling_params
-    from rl.rollout.manager import encode_prompt
+    from rl.rollout.batch import encode_prompt
+    from rl.tasks.build import build_task
 
     cfg = compose(*overrides)
     rc, a = cfg.rollout, cfg.algo
@@ -63,7 +64,7 @@ def reference(overrides: list[str], steps: int, threads: int) -> list[dict[str, 
     model = load_model(path, cfg.model.dtype, "cpu")
     model.train()
     engine = HFEngine(model, tokenizer, eos_token_ids(path, tokenizer), seed=cfg.seed)
-    task = cfg.task.build()
+    task = build_task(cfg.task)
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(a.adam_beta1, a.adam_beta2),
                                   weight_decay=a.weight_decay)
     kwargs = parse_sampling_params(rc.sampling_params(), engine.vocab_size)[0]

@@ -1,7 +1,7 @@
 """One logging set-up for every process of a run: ``HH:MM:SS LEVEL name: message`` on stdout.
 
 Modules log through ``logging.getLogger(__name__)``; nothing is printed except the one
-console line per training step (``rl.metrics``). The driver calls ``setup_logging(cfg.log_level)``
+console line per training step (``rl.driver.metrics``). The driver calls ``setup_logging(cfg.log_level)``
 at start-up; Ray worker processes (rollout manager, learner ranks, engine actors) start with
 no handler, so ``Cluster`` passes the level in ``RL_LOG_LEVEL`` and names
 ``setup_worker_logging`` as Ray's ``worker_process_setup_hook`` (``WORKER_SETUP_HOOK``),
@@ -58,3 +58,9 @@ def block_triton() -> None:
     so the driver, the CPU engine and every Ray worker call this at start-up."""
     sys.modules.setdefault("triton", None)
 
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error's message (a Ray task error's: of the error it carries)."""
+    cause = getattr(e, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -69,7 +69,7 @@ def build_tiny_checkpoint(tiny: TinyModelConfig) -> str:
 def build_char_tokenizer():
     """A character-level fast tokenizer: one token per character, plus pad/eos/unk."""
     # transformers in the functions (start-up cost, about 0.8 s): the driver imports this
-    # module through rl.run before it validates the config
+    # module through rl.driver.run before it validates the config
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

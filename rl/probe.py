@@ -1,4 +1,4 @@
-"""The one TCP probe every watcher uses (the driver's ``rl.watchdog``, the rollout side's
+"""The one TCP probe every watcher uses (the driver's ``rl.driver.watchdog``, the rollout side's
 ``rl.rollout.health``).
 
 A connect, not a request: the kernel accepts a connection even while the server is busy,

@@ -1,10 +1,10 @@
 """``rollout`` group: sampling settings shared by every engine, and one schema per engine
-kind (``hf``: the CPU engine, ``sglang``), each knowing the command that starts it and what
-it needs of the placement (``check_cluster``)."""
+kind (``hf``: the CPU engine, ``sglang``), each knowing what it needs of the placement
+(``check_cluster``) and of the model (``check_model``). The command that starts each kind
+is composed in ``rl/rollout/engines/commands.py``."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,13 +92,6 @@ class RolloutConfig:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "top_p": self.top_p, "top_k": self.top_k}
 
-    def server_command(self, model_path: str, host: str, port: int, index: int,
-                       seed: int, gpus: int, dtype: str = "float32") -> list[str]:
-        """The command that starts engine ``index`` (an HTTP server on ``host:port``).
-        ``dtype``: the engine's weight and compute dtype, ``model.dtype``: the learner pushes
-        its weights cast to it, and computes in it."""
-        raise NotImplementedError
-
     def check_cluster(self, cluster: "ClusterConfig") -> None:
         """Cross-check with the placement (called by the root config): what this engine
         kind needs of ``cluster.gpus_per_engine``."""
@@ -123,14 +116,6 @@ class HFRolloutConfig(RolloutConfig):
         positive(self, "max_batch_size")
         if self.batch_wait_ms < 0:
             raise ValueError(f"rollout.batch_wait_ms={self.batch_wait_ms} must be >= 0")
-
-    def server_command(self, model_path: str, host: str, port: int, index: int,
-                       seed: int, gpus: int, dtype: str = "float32") -> list[str]:
-        return [sys.executable, "-m", "rl.rollout.engines.hf_server", "--model-path", model_path,
-                "--host", host, "--port", str(port), "--seed", str(seed + 1000 * index),
-                "--max-batch-size", str(self.max_batch_size),
-                "--batch-wait-ms", str(self.batch_wait_ms), "--device", self.device,
-                "--dtype", dtype]
 
     def check_cluster(self, cluster: "ClusterConfig") -> None:
         if cluster.gpus_per_engine:
@@ -171,16 +156,6 @@ class SGLangRolloutConfig(RolloutConfig):
         if any(str(a) == "--dtype" or str(a).startswith("--dtype=") for a in self.extra_args):
             raise ValueError("rollout.extra_args: --dtype is set from model.dtype (the engines "
                              "receive the weights in it); set model.dtype instead")
-
-    def server_command(self, model_path: str, host: str, port: int, index: int,
-                       seed: int, gpus: int, dtype: str = "float32") -> list[str]:
-        # SGLang is imported nowhere in this project: it only runs in the engine process.
-        # --dtype: SGLang 0.5.23 accepts float32, bfloat16 and float16 as model.dtype spells
-        # them; its default (auto) would run a float32 checkpoint in float16.
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-                "--host", host, "--port", str(port), "--tp-size", str(gpus),
-                "--mem-fraction-static", str(self.mem_fraction_static),
-                "--random-seed", str(seed + 1000 * index), "--dtype", dtype, *self.extra_args]
 
     def check_cluster(self, cluster: "ClusterConfig") -> None:
         if cluster.gpus_per_engine < 1:

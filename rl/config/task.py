@@ -1,4 +1,5 @@
-"""``task`` group: where prompts come from and how responses are scored."""
+"""``task`` group: where prompts come from and how responses are scored. The task itself is
+built from its schema by ``rl.tasks.build.build_task``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig
 
 from rl.config.checks import positive
-from rl.tasks.builtin import AdditionTask, RepeatLetterTask
-from rl.tasks.jsonl import JsonlTask, read_rows
+from rl.tasks.jsonl import read_rows
 
 
 @dataclass(kw_only=True)
@@ -21,9 +21,6 @@ class TaskConfig:
     """Task label."""
     seed: int = 0
     """Seed of the prompt stream."""
-
-    def build(self):  # -> rl.tasks.Task
-        raise NotImplementedError
 
 
 @dataclass(kw_only=True)
@@ -35,9 +32,6 @@ class RepeatLetterTaskConfig(TaskConfig):
     def __post_init__(self) -> None:
         positive(self, "repeat")
 
-    def build(self):
-        return RepeatLetterTask(repeat=self.repeat, seed=self.seed)
-
 
 @dataclass(kw_only=True)
 class AdditionTaskConfig(TaskConfig):
@@ -47,9 +41,6 @@ class AdditionTaskConfig(TaskConfig):
 
     def __post_init__(self) -> None:
         positive(self, "max_value")
-
-    def build(self):
-        return AdditionTask(max_value=self.max_value, seed=self.seed)
 
 
 @dataclass(kw_only=True)
@@ -80,9 +71,6 @@ class JsonlTaskConfig(TaskConfig):
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"task.reward._target_={reward['_target_']!r} cannot be imported: {e}") from None
         self.reward = reward
-
-    def build(self):
-        return JsonlTask(path=os.path.expanduser(self.path), reward=self.reward, seed=self.seed)
 
 
 SCHEMAS: dict[str, type] = {"repeat_letter": RepeatLetterTaskConfig, "addition": AdditionTaskConfig,

@@ -26,7 +26,7 @@ class WeightsConfig:
     timeout_s: float = 120.0
     """Bound on every group operation and engine call of a sync."""
     check_coverage: bool = True
-    """At the first push, check that it writes every engine parameter (``rl/weight_checks.py``;
+    """At the first push, check that it writes every engine parameter (``rl/driver/weight_checks.py``;
     costs one push more)."""
 
     def __post_init__(self) -> None:

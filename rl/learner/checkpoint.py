@@ -20,7 +20,7 @@ def step_dir(root: str, step: int) -> str:
 
 
 def save_learner(path: str, model, optimizer, scheduler) -> None:
-    # torch in the functions (start-up cost): the driver imports this module, via rl.run, for
+    # torch in the functions (start-up cost): the driver imports this module, via rl.driver.run, for
     # the trainer state and must not load torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp

@@ -3,7 +3,8 @@
 ``build_batch`` turns SGLang ``/generate`` answers into a ``RolloutBatch``: tokens and
 log-probs exactly as sampled, rewards, GRPO advantages, and each sample's weight version,
 the oldest it saw (``sample_weight_version``); ``zero_std_groups`` counts (and may mask) the
-groups without a learning signal; ``split_balanced`` splits the batch over the learner ranks.
+groups without a learning signal; ``split_balanced`` splits the batch over the learner ranks;
+``encode_prompt`` turns a prompt's text into the token ids the engines get.
 """
 
 from __future__ import annotations
@@ -105,3 +106,17 @@ def _version_number(v) -> int:
         return int(v)
     except (TypeError, ValueError):
         return -1  # engine not yet synced ("default")
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    """The token ids of one prompt, as a single user turn of the chat template if asked.
+
+    The template is rendered to text and then encoded without special tokens, which is what
+    ``apply_chat_template(tokenize=True)`` does inside (the template writes BOS and the like
+    itself) but with one return type on every transformers version: ``tokenize=True``
+    returns ``list[int]`` on transformers 4 and a ``BatchEncoding`` on 5, whose ``list()``
+    is its keys."""
+    if chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

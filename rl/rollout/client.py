@@ -2,8 +2,7 @@
 
 ``EngineClient`` is one server: blocking control calls (health, weight updates, pause) and
 an async ``generate``. It satisfies ``transfer.weights.WeightReceiver``, so the weight-sync
-code drives engines only through it. ``EnginePool`` spreads generate requests over several
-servers, least outstanding requests first.
+code drives engines only through it; ``rl.rollout.fanout`` spreads requests over several.
 """
 
 from __future__ import annotations
@@ -245,104 +244,3 @@ class EngineClient:
         if len(group) != n:
             raise EngineError(f"{self.name}/generate: {len(group)} answers to a request of n={n}")
         return group
-
-
-class EnginePool:
-    """Sends each request to the live engine with the fewest requests in flight.
-
-    With ``retry`` (rollout fault tolerance), an engine found dead is taken out of service
-    (``mark_down``, by the request that saw it die or by ``rl.rollout.health``) and every
-    request in flight on it is sent again to a live engine: a request's answer is taken from
-    exactly one engine. Without it, the first failure is raised, as before."""
-
-    POLL_S = 0.1
-    """How often a request in flight looks whether its engine was taken out of service."""
-
-    def __init__(self, clients: list[EngineClient], retry: bool = False) -> None:
-        if not clients:
-            raise ValueError("no engines to send requests to")
-        self.clients = clients
-        self.retry = retry
-        self.inflight = [0] * len(clients)
-        self.state = ["live"] * len(clients)
-        """``live`` (takes requests), ``down`` (dead, not yet replaced) or ``joining``
-        (replaced, takes requests once it serves the current weights)."""
-        self.down_reason: dict[int, str] = {}
-        self.retried = 0
-        """Requests sent again because their engine died (a request of ``n`` samples is one)."""
-        self.holding = False
-        """A weight sync is replacing engines: with none live, requests wait for its end
-        instead of failing (a death during a sync can leave every engine out of service
-        for a moment)."""
-
-    def live(self) -> list[int]:
-        return [i for i, s in enumerate(self.state) if s == "live"]
-
-    def watched(self) -> list[int]:
-        """Engines whose death matters: those in service and replacements joining."""
-        return [i for i, s in enumerate(self.state) if s != "down"]
-
-    def mark_down(self, i: int, reason: str) -> bool:
-        """Take engine ``i`` out of service (or out of joining); False when it already was."""
-        if self.state[i] == "down":
-            return False
-        self.state[i] = "down"
-        self.down_reason[i] = reason
-        logger.warning("%s is down (%s); its requests go to the other engines", self.clients[i].name,
-                       reason)
-        return True
-
-    def replace(self, i: int, client: EngineClient) -> None:
-        """Engine ``i`` was started again; it takes requests after ``join``."""
-        self.clients[i] = client
-        self.state[i] = "joining"
-        self.down_reason.pop(i, None)
-
-    def join(self) -> list[int]:
-        """Replaced engines serve the current weights now: back in service."""
-        joined = [i for i, s in enumerate(self.state) if s == "joining"]
-        for i in joined:
-            self.state[i] = "live"
-        return joined
-
-    async def _pick(self) -> int:
-        while not self.live() and self.holding:
-            await asyncio.sleep(self.POLL_S)
-        live = self.live()
-        if not live:
-            raise EngineError("every engine is down: " + "; ".join(
-                f"{self.clients[i].name}: {self.down_reason.get(i, self.state[i])}"
-                for i in range(len(self.clients))))
-        return min(live, key=self.inflight.__getitem__)
-
-    async def generate(self, session, payload: dict, timeout_s: float) -> list[dict]:
-        while True:
-            i = await self._pick()
-            self.inflight[i] += 1
-            try:
-                if not self.retry:
-                    return await self.clients[i].agenerate(session, payload, timeout_s)
-                answer = await self._on(i, session, payload, timeout_s)
-            finally:
-                self.inflight[i] -= 1
-            if answer is not None:
-                return answer
-            self.retried += 1
-
-    async def _on(self, i: int, session, payload: dict, timeout_s: float) -> list[dict] | None:
-        """The request's answer from engine ``i``, or None when that engine was found dead
-        before answering (the request was cancelled there)."""
-        task = asyncio.ensure_future(self.clients[i].agenerate(session, payload, timeout_s))
-        try:
-            while not task.done():
-                await asyncio.wait([task], timeout=self.POLL_S)
-                if self.state[i] != "live" and not task.done():
-                    return None
-            return task.result()
-        except EngineError as e:
-            if e.status is not None:  # the engine answered: a refused request is no death
-                raise
-            self.mark_down(i, str(e))
-            return None
-        finally:
-            task.cancel()

@@ -10,8 +10,8 @@ Two checks per engine in service, on a thread of its own:
   and the CPU engine alike) bounded by ``rollout.health_check_timeout_s``: catches a server
   that still accepts connections but no longer generates (hung, stopped, deadlocked).
 
-A dead engine is taken out of the ``EnginePool`` (its requests in flight go to the others);
-the driver replaces it at the next weight sync (``rl.cluster.Cluster.push_weights``). While
+A dead engine is taken out of service (``rl.rollout.fleet.EngineSet``; its requests in
+flight go to the others) and replaced at the next weight sync (``EngineFleet.prepare_sync``). While
 the engines are paused or receiving weights they do not generate, so ``/health_generate`` is
 not asked then (``suspend``), nor before the first sync has ended (start-up forms the
 weight-update groups), and an answer that spans a suspension does not count.
@@ -19,14 +19,11 @@ weight-update groups), and an answer that spans a suspension does not count.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rl.probe import host_port, probe_port
-from rl.rollout.client import EnginePool
-from transfer.process import log_tail
 
 PORT_PROBE_S = 0.5
 
@@ -39,19 +36,21 @@ def refused(url: str) -> str | None:
 
 
 class HealthMonitor:
-    def __init__(self, pool: EnginePool, interval_s: float, timeout_s: float,
+    def __init__(self, engines, interval_s: float, timeout_s: float,
                  first_wait_s: float) -> None:
-        self.pool = pool
+        """``engines``: the fleet's ``EngineSet`` (not imported here: the fleet imports this
+        module), whose dead engines this takes out of service."""
+        self.engines = engines
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.first_wait_s = first_wait_s
         now = time.monotonic()
-        self.in_service_since = [now] * len(pool.clients)
+        self.in_service_since = [now] * len(engines.clients)
         self._suspended = 1  # until the first sync ends: start-up forms the weight groups
         self._epoch = 0  # bumped by every suspend: an answer started before one does not count
         self._lock = threading.Lock()
         self._checks: dict[int, Future] = {}
-        self._executor = ThreadPoolExecutor(max_workers=len(pool.clients), thread_name_prefix="health")
+        self._executor = ThreadPoolExecutor(max_workers=len(engines.clients), thread_name_prefix="health")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-health", daemon=True)
 
@@ -77,11 +76,11 @@ class HealthMonitor:
         """Probe every engine in service at once (its port: engines paused or receiving
         weights do not generate); take the dead ones out; return every engine out of
         service and why."""
-        for i in self.pool.watched():
-            why = refused(self.pool.clients[i].url)
+        for i in self.engines.watched():
+            why = refused(self.engines.clients[i].url)
             if why is not None:
-                self.pool.mark_down(i, why)
-        return dict(self.pool.down_reason)
+                self.engines.mark_down(i, why)
+        return dict(self.engines.down_reason)
 
     def _no_generation(self, client) -> str | None:
         why = client.health_generate(self.timeout_s)
@@ -101,13 +100,13 @@ class HealthMonitor:
             if self._suspended:
                 return
             epoch = self._epoch
-        for i in self.pool.live():
+        for i in self.engines.live():
             if now - self.in_service_since[i] < self.first_wait_s:
                 continue
             pending = self._checks.get(i)
             if pending is not None and not pending.done():
                 continue  # the last one is still waiting: its timeout decides
-            client = self.pool.clients[i]
+            client = self.engines.clients[i]
             f = self._executor.submit(self._no_generation, client)
             f.add_done_callback(lambda f, i=i, client=client: self._checked(i, client, epoch, f))
             self._checks[i] = f
@@ -117,26 +116,10 @@ class HealthMonitor:
         with self._lock:
             counts = not self._suspended and self._epoch == epoch
         # the answer is about this engine, asked while it generated, and it is still the one in service
-        if why is not None and counts and self.pool.clients[i] is client:
-            self.pool.mark_down(i, why)
+        if why is not None and counts and self.engines.clients[i] is client:
+            self.engines.mark_down(i, why)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def restarts_used_up(log_dir: str, down: dict[int, str], limit: int, made: int) -> str:
-    """The error of a run whose dead engines outnumber the replacements it has left."""
-    return (f"{describe_dead(log_dir, down)}\nrollout.max_engine_restarts={limit} replacements "
-            f"(this run made {made}) are used up")
-
-
-def describe_dead(log_dir: str, down: dict[int, str], lines: int = 5) -> str:
-    """Each dead engine, why, and the last lines of its log (``engine_<i>.log``)."""
-    parts = []
-    for i, why in sorted(down.items()):
-        path = os.path.join(log_dir, f"engine_{i}.log")
-        tail = log_tail(path, lines) if os.path.exists(path) else "(not on this node)"
-        parts.append(f"engine-{i} died ({why}); last lines of {path}:\n{tail}")
-    return "\n".join(parts)

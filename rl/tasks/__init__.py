@@ -5,6 +5,8 @@ Call order (the rollout manager)::
     prompts = task.next_prompts(n)                      # advances the data position
     r = task.reward(response_text, prompt.label, finished)   # finished = EOS was sampled
     state = task.state_dict(); task.load_state_dict(state)  # checkpoint / resume
+
+A task is built from its ``task`` config by ``rl.tasks.build.build_task(cfg.task)``.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_ctrl_c_in_fully_async_removes_queued_batches_and_stops_every_process(tm
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=90)
     assert proc.returncode != 0
-    assert "rl.run: samples:" in rest  # the ledger was written on the way out
+    assert "rl.driver.run: samples:" in rest  # the ledger was written on the way out
     assert master.keys() == []
     assert_nothing_left(engine_ports(out))
 
@@ -157,6 +157,6 @@ def test_engine_death_in_fully_async_fails_the_run_cleanly(tmp_path, data_path):
         rest, _ = proc.communicate(timeout=180)
     assert proc.returncode != 0
     assert f"engine-1 (http://127.0.0.1:{port})" in rest, rest[-3000:]
-    assert "rl.run: samples:" in rest
+    assert "rl.driver.run: samples:" in rest
     assert master.keys() == []
     assert_nothing_left(engine_ports(out))

@@ -17,9 +17,9 @@ import time
 import pytest
 import requests
 
-from rl.cluster import Cluster
+from rl.driver.cluster import Cluster
 from rl.config.transfer import BACKENDS
-from rl.run import prepare_run
+from rl.driver.run import prepare_run
 from tests.support.cluster_checks import assert_each_sample_on_one_rank, assert_engines_hold, learner_state
 from tests.support.env import REPO, compose
 from tests.support.procs import pids_with
@@ -154,7 +154,7 @@ def test_train_py_survives_an_engine_killed_during_generation(master, prompts, t
     assert sum(r["rollout/retried_requests"] for r in rows) >= 1
     assert rows[-1]["rollout/engine_restarts"] == 1
     assert sum(r["rollout/engine_restart_s"] > 0 for r in rows) == 1
-    assert "rl.faults: engine-1 died" in out and "back in service" in out
+    assert "rl.rollout.fleet: engine-1 died" in out and "back in service" in out
     assert master.keys() == []
     assert_nothing_left(engine_ports(out) + re.findall(r"engine-1 \(http://[\d.]+:(\d+)\) started", out))
 
@@ -176,7 +176,7 @@ def test_fully_async_survives_an_engine_killed_during_a_sync(prompts, tmp_path):
     # engine 1 may be left waiting in the broadcast engine 0's death cut short: replaced
     # too, and meanwhile no engine is in service (the stream's requests wait for the sync)
     assert rows[-1]["rollout/engine_restarts"] in (1, 2)
-    assert re.search(r"WARNING rl.faults: the weight update to version \d+ failed", out), out[-3000:]
+    assert re.search(r"WARNING rl.driver.cluster: the weight update to version \d+ failed", out), out[-3000:]
     check_ledger(read_ledger(tmp_path), rows, out, max_staleness=1)
     assert_nothing_left(engine_ports(out) + re.findall(r"engine-0 \(http://[\d.]+:(\d+)\) started", out))
 
@@ -247,7 +247,7 @@ def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, t
     cluster = Cluster(cfg, prepare_run(cfg)).start()
     try:
         cluster.push_weights(version=0)
-        pids = ray_module.get([e.pid.remote() for e in cluster.engines])
+        pids = cluster.rollout.engine_pids()
 
         pending = cluster.rollout.generate_async(0)  # engine 1 dies mid-generation
         killer = KillWhen(cluster.engine_urls[1], pids[1], "generating")
@@ -277,7 +277,7 @@ def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, t
         # left waiting in the broadcast engine 0's death cut short, and is replaced too
         assert m["rollout/engine_restarts"] in ((2,) if weights == "p2p" else (2, 3))
         assert_engines_hold(cluster, learner_state(cluster), 2)
-        new = ray_module.get([e.pid.remote() for e in cluster.engines])
+        new = cluster.rollout.engine_pids()
         assert set(new).isdisjoint(pids)
 
         # both replacements are in service: each gets requests of the next step

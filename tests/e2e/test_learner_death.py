@@ -95,12 +95,12 @@ def test_killed_learner_is_named_and_the_printed_command_resumes_the_run(tmp_pat
 
 def test_ranks_not_set_up_are_killed_without_being_asked_to_close(shared_ray, ray_local, tmp_path):
     """``LearnerGroup`` sets its ranks up in the background while the engines start
-    (rl/cluster.py). A run stopped before a rank is set up, or whose setup failed, does not ask
+    (rl/driver/cluster.py). A run stopped before a rank is set up, or whose setup failed, does not ask
     it to close: it would answer only once set up, or fail on what it never opened; the
     shutdown kills it."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from rl.cluster import LearnerGroup
+    from rl.driver.learners import LearnerGroup
     from rl.runtime import Runtime
 
     cfg = compose("logger=console", f"output_dir={tmp_path}")

@@ -78,7 +78,7 @@ def test_ctrl_c_is_reported_as_the_users_and_stops_every_process(transfer, tmp_p
         os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, rest[-3000:]
-    assert "rl.cluster: interrupted: stopping the run's processes" in rest, rest[-3000:]
+    assert "rl.driver.cluster: interrupted: stopping the run's processes" in rest, rest[-3000:]
     assert "interrupted by the user (Ctrl-C)" in rest and "died" not in rest and "Traceback" not in rest
     assert_nothing_left(engine_ports(out))
     master = re.search(r"local master \(pid (\d+)\)", out)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from rl.cluster import Cluster
+from rl.driver.cluster import Cluster
 from rl.config.transfer import BACKENDS
-from rl.run import prepare_run
+from rl.driver.run import prepare_run
 from tests.support.cluster_checks import (assert_each_sample_on_one_rank, assert_engines_hold, bits,
                                           learner_state)
 from tests.support.env import compose

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rl.rollout.client import EngineClient
-from rl.weight_checks import ContentCheck
+from rl.driver.weight_checks import ContentCheck
 from tests.support.http_app import ThreadedApp
 
 
@@ -119,12 +119,12 @@ def test_engine_layout_must_match_the_ranks_the_sender_plans(old_server, num_ran
 
 
 def test_a_server_without_the_weight_read_back_is_named_in_a_warning_not_failed(old_server, caplog):
-    """The content check after a push (``rl.weight_checks``) on a server that answers
+    """The content check after a push (``rl.driver.weight_checks``) on a server that answers
     ``/get_weights_by_name`` with 404: the engine is checked by version only, and said so."""
     c = EngineClient(old_server.url, "engine-0", timeout_s=30)
     learners = SimpleNamespace(run=lambda fn, *a, **kw: {"model.norm.weight": np.zeros(4, np.float32)})
     check = ContentCheck({"model.norm.weight": [4]}, "float32")
-    with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
+    with caplog.at_level(logging.WARNING, logger="rl.driver.weight_checks"):
         check.after_push(learners, [c], version=1)
         check.after_push(learners, [c], version=2)
     assert old_server.seen.count("/get_weights_by_name") == 1

@@ -26,7 +26,7 @@ def test_two_node_on_a_one_node_ray_is_refused_before_workers_start(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "cluster=two_node needs 2 Ray nodes but the Ray cluster has 1" in out, \
         out[-3000:]
-    assert "rl.cluster: starting" not in out and time.monotonic() - t0 < 60
+    assert "rl.driver.cluster: starting" not in out and time.monotonic() - t0 < 60
     assert pids_with(str(tmp_path)) == []
     assert_nothing_left([])  # Ray's idle workers exit after their raylet, on their own time
 
@@ -34,7 +34,7 @@ def test_two_node_on_a_one_node_ray_is_refused_before_workers_start(tmp_path):
 _BLOCKED_DRIVER = """
 import signal, socket, sys, threading, time
 sys.path.insert(0, {repo!r})
-from rl.watchdog import Watchdog
+from rl.driver.watchdog import Watchdog
 
 srv = socket.create_server(("127.0.0.1", 0))
 port = srv.getsockname()[1]
@@ -72,7 +72,7 @@ sys.path.insert(0, {repo!r})
 import ray
 from rl.backends import data_path
 from rl.config.transfer import MooncakeTransferConfig
-from rl.nodes import node_environments
+from rl.driver.nodes import node_environments
 
 ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING",
          runtime_env={{"env_vars": {{"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}}}})

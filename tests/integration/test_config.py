@@ -34,7 +34,7 @@ def test_cli_rejects_bad_input_before_workers_start(args, fragment):
     proc, seconds = _run_train(*args)
     assert proc.returncode != 0
     assert fragment in proc.stderr + proc.stdout
-    assert "rl.cluster:" not in proc.stdout  # nothing was started
+    assert "rl.driver.cluster:" not in proc.stdout  # nothing was started
     assert seconds < 20
 
 
@@ -51,7 +51,7 @@ def test_train_async_rejects_bad_input_before_workers_start(args, fragment):
     proc, seconds = _run_train(*args, script="train_async.py")
     assert proc.returncode != 0
     assert fragment in proc.stderr + proc.stdout
-    assert "rl.cluster:" not in proc.stdout and "rl.run:" not in proc.stdout  # nothing was started
+    assert "rl.driver.cluster:" not in proc.stdout and "rl.driver.run:" not in proc.stdout  # nothing started
     assert seconds < 20
 
 
@@ -73,7 +73,7 @@ def test_cli_names_a_bad_jsonl_line_before_ray_starts(lines, fragment, tmp_path)
     out = proc.stderr + proc.stdout
     assert proc.returncode != 0
     assert f"task.path: {data}" in out and fragment in out, out[-2000:]
-    assert "rl.cluster:" not in proc.stdout and not ray_tmp.exists()
+    assert "rl.driver.cluster:" not in proc.stdout and not ray_tmp.exists()
     assert seconds < 5, seconds
 
 

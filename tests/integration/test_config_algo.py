@@ -30,7 +30,7 @@ def test_cli_refuses_bad_algo_before_any_worker(args, fragment):
     seconds = time.monotonic() - t0
     assert proc.returncode != 0
     assert fragment in proc.stderr + proc.stdout
-    assert "rl.cluster:" not in proc.stdout and "rl.run:" not in proc.stdout  # nothing was started
+    assert "rl.driver.cluster:" not in proc.stdout and "rl.driver.run:" not in proc.stdout  # nothing started
     assert seconds < 10, seconds
 
 
@@ -50,8 +50,8 @@ def test_the_driver_and_the_rollout_manager_load_no_torch(tiny_path, tmp_path):
     tokenizer) leave torch to the learners and engines, which import it anyway.
     (``tiny_path``: the tiny checkpoint is built beforehand, which does need torch.)"""
     code = ("import sys; from tests.support.env import compose\n"
-            "from rl.run import prepare_run\n"
-            "from rl.cluster import Cluster\n"
+            "from rl.driver.run import prepare_run\n"
+            "from rl.driver.cluster import Cluster\n"
             "from rl.learner.learner import Learner\n"
             "from rl.rollout.manager import RolloutManager\n"
             "from rl.model import load_tokenizer\n"

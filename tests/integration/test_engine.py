@@ -16,6 +16,7 @@ import torch
 from rl.config import HFRolloutConfig
 from rl.model import load_model, load_tokenizer
 from rl.rollout.client import EngineClient
+from rl.rollout.engines.commands import COMMANDS
 from rl.rollout.engines.launcher import EngineProcess
 from tests.support.procs import wait_until
 from transfer.net import free_port
@@ -423,10 +424,16 @@ def test_update_with_unknown_name_fails_and_names_it(server, tiny_path):
 class _CommandRollout(HFRolloutConfig):
     command: str = ""
 
-    def server_command(self, model_path, host, port, index, seed, gpus):
-        return [sys.executable, "-c", self.command]
+
+@pytest.fixture
+def command_kind(monkeypatch):
+    """Registers ``_CommandRollout``'s command (its ``command`` field, run by Python) for
+    the duration of a test."""
+    monkeypatch.setitem(COMMANDS, _CommandRollout,
+                        lambda cfg, *args, **kwargs: [sys.executable, "-c", cfg.command])
 
 
+@pytest.mark.usefixtures("command_kind")
 def test_engine_that_crashes_is_reported_with_its_log(tmp_path, tiny_path):
     cfg = _CommandRollout(command="print('loading weights... boom', flush=True); raise SystemExit(3)",
                           engine_start_timeout_s=30)
@@ -438,6 +445,7 @@ def test_engine_that_crashes_is_reported_with_its_log(tmp_path, tiny_path):
     assert "exited with code 3" in str(e.value) and "boom" in str(e.value)
 
 
+@pytest.mark.usefixtures("command_kind")
 def test_engine_that_hangs_times_out_with_its_log(tmp_path, tiny_path):
     cfg = _CommandRollout(command="import time; print('stuck in init', flush=True); time.sleep(600)",
                           engine_start_timeout_s=3)

@@ -323,7 +323,7 @@ def test_all_masked_batch_changes_nothing(steps_out):
 def _drop_worker(rank, world, port, tiny_path, out_dir):
     from rl.algo import LOSS_AGGS
     from rl.learner.learner import Learner
-    from rl.rollout.manager import zero_std_groups
+    from rl.rollout.batch import zero_std_groups
     from transfer.weights.base import full_tensor
 
     cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3")

@@ -33,7 +33,7 @@ def test_train_py_with_an_external_master_leaves_no_key(tmp_path):
                      f"transfer.master_server_address={master.address}",
                      f"transfer.metadata_server={master.metadata_server}")
         assert "started a local master" not in proc.stdout
-        assert "rl.cluster: p2p plan: learner 0 -> engine-0" in proc.stdout
+        assert "rl.driver.cluster: p2p plan: learner 0 -> engine-0" in proc.stdout
         rows = read_metrics(tmp_path)
         assert [r["step"] for r in rows] == [0, 1, 2]
         for r in rows:
@@ -78,7 +78,7 @@ def _cli(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProce
 def test_config_errors_before_anything_starts(args, fragment):
     proc, seconds = _cli("transfer=mooncake_tcp", *args)
     assert proc.returncode != 0 and fragment in proc.stdout + proc.stderr, proc.stderr[-2000:]
-    assert "rl.cluster:" not in proc.stdout and seconds < 10
+    assert "rl.driver.cluster:" not in proc.stdout and seconds < 10
 
 
 @pytest.mark.parametrize("args,env,fragment", [

@@ -122,10 +122,10 @@ def engine(tiny_path, tmp_path_factory):
 
 
 def _generate(url: str, prompt_ids: list[list[int]], n: int, sampling: dict) -> list[list[dict]]:
-    from rl.rollout.client import EnginePool
-    from rl.rollout.manager import generate_groups
+    from rl.rollout.fanout import EnginePool, generate_groups
+    from rl.rollout.fleet import EngineSet
 
-    return asyncio.run(generate_groups(EnginePool([EngineClient(url, "engine-0")]), prompt_ids, n,
+    return asyncio.run(generate_groups(EnginePool(EngineSet([EngineClient(url, "engine-0")])), prompt_ids, n,
                                        sampling, timeout_s=60))
 
 
@@ -152,7 +152,7 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
                              backend="gloo", timeout_s=60)
         sync.connect([client])
         model = load_model(tiny_path)
-        # the coverage check's calls around the first push (rl.weight_checks): the push
+        # the coverage check's calls around the first push (rl.driver.weight_checks): the push
         # writes back every tensor the reset made random
         assert client.check_weights("reset_tensors") == {}
         sync.push(model.named_parameters(), 3)
@@ -160,7 +160,7 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
         sync.close()
         hashes = client.check_weights("checksum")
         assert list(hashes) == [0] and "model.norm.weight" in hashes[0]
-        # the content check after a push (rl.weight_checks) reads a few rows back
+        # the content check after a push (rl.driver.weight_checks) reads a few rows back
         assert client.get_weights_by_name("model.norm.weight") == \
             model.get_parameter("model.norm.weight").tolist()
     finally:
@@ -477,7 +477,7 @@ def test_cpu_engine_serves_weights_by_name_as_the_release(engine, tiny_path):
 
 
 def test_cpu_engine_checks_weights_as_the_release(engine, tiny_path):
-    """``/weights_checker`` (the coverage check's route, ``rl.weight_checks``): a checksum
+    """``/weights_checker`` (the coverage check's route, ``rl.driver.weight_checks``): a checksum
     names the tensors the release's weight checker hashes (its own skip rules), each hashed
     by its CPU ``tensor_hash``, the rank's and the engine's checksums as it folds them, in a
     body its ``ChecksumInfo`` reads; ``reset_tensors`` makes every checked tensor random,

@@ -25,7 +25,7 @@ def _params(version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _replace(peers: list[PeerReceiver], error: UpdateFailed) -> list[int]:
-    """What the driver does after a failed push (rl/faults.py): stop every engine that died
+    """What the rollout side does after a failed push (rl/rollout/fleet.py): stop every engine that died
     or gave no answer, start a new one in its place; returns their positions."""
     gone = [i for i, p in enumerate(peers) if not p.process.is_alive() or p.name in error.unanswered]
     for i in gone:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("shared_ray")
 
 
 def test_an_engine_that_fails_to_start_stops_the_run_and_the_learners_setting_up(tmp_path):
-    """The learner ranks set up while the engines start (rl/cluster.py): when an engine fails
+    """The learner ranks set up while the engines start (rl/driver/cluster.py): when an engine fails
     to start, the run fails naming it with its log, and the ranks, set up or not, go too."""
     proc = subprocess.run([sys.executable, "train.py", "num_steps=3", "rollout.prompts_per_step=8",
                            "logger=console", "rollout.device=cuda:99",  # no such device anywhere
@@ -49,9 +49,10 @@ def test_chat_checkpoint_gets_templated_prompts_on_both_weight_paths(chat_model_
                   proc.stdout + proc.stderr)
     assert m, proc.stdout[-3000:]
     from rl.model import load_tokenizer
+    from rl.tasks.build import build_task
 
     tokenizer = load_tokenizer(chat_model_path)
-    first = compose(*args).task.build().next_prompts(1)[0].text
+    first = build_task(compose(*args).task).next_prompts(1)[0].text
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": first}],
                                              add_generation_prompt=True, tokenize=False)
     assert rendered.startswith("<|system|>answer briefly.<|end|><|user|>")

@@ -1,5 +1,5 @@
 """The names check before the first push and the content check after the first pushes
-(``rl.weight_checks``), the learners' side on an in-process model and the engines' side on a
+(``rl.driver.weight_checks``), the learners' side on an in-process model and the engines' side on a
 real CPU engine over HTTP (or a server that answers as SGLang does for a Qwen2 model).
 ``tests/integration/test_sglang_contract.py`` holds the route to the release's own."""
 
@@ -14,7 +14,7 @@ import torch
 from rl.config import HFRolloutConfig
 from rl.rollout.client import EngineClient
 from rl.rollout.engines.launcher import EngineProcess
-from rl.weight_checks import CONTENT_CHECKS, ContentCheck, CoverageCheck, check_names, pushed_model
+from rl.driver.weight_checks import CONTENT_CHECKS, ContentCheck, CoverageCheck, check_names, pushed_model
 from tests.support.http_app import ThreadedApp
 from transfer.weights.broadcast import BroadcastSync
 
@@ -110,7 +110,7 @@ def qwen2_sglang():
 def test_an_engine_that_cannot_serve_the_route_is_named_in_a_warning(tiny, engine, qwen2_sglang, caplog):
     sglang, seen = qwen2_sglang
     check = ContentCheck(pushed_model(SimpleNamespace(model=tiny))[1], "float32")
-    with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
+    with caplog.at_level(logging.WARNING, logger="rl.driver.weight_checks"):
         check.after_push(Learners(tiny), [sglang, engine], version=0)
         check.after_push(Learners(tiny), [sglang, engine], version=1)
     assert [r["name"] for r in seen] == [seen[0]["name"], "model.embed_tokens.weight"]  # then left alone
@@ -158,7 +158,7 @@ def test_the_first_push_must_write_every_engine_tensor(tiny, engine, caplog):
         return {"pushed": len(pushes)}
 
     try:
-        with caplog.at_level(logging.INFO, logger="rl.weight_checks"):
+        with caplog.at_level(logging.INFO, logger="rl.driver.weight_checks"):
             assert CoverageCheck().run(push, lambda: [engine]) == {"pushed": 2}
         assert any("writes every tensor of 1 engine(s) (27 tensors" in r.getMessage() for r in caplog.records)
         with pytest.raises(RuntimeError) as e:
@@ -198,7 +198,7 @@ def test_an_engine_that_cannot_answer_checksums_is_not_reset_and_is_named(old_sg
     """The read-only checksum comes first: an engine that cannot answer it keeps its weights
     (no reset) and is named in a warning; the push still runs."""
     without_action, without_route, asked = old_sglang
-    with caplog.at_level(logging.WARNING, logger="rl.weight_checks"):
+    with caplog.at_level(logging.WARNING, logger="rl.driver.weight_checks"):
         assert CoverageCheck().run(lambda: {"pushed": 1}, lambda: [without_action, without_route]) == \
             {"pushed": 1}
     assert asked == ["checksum"]  # never reset
@@ -217,7 +217,7 @@ def test_an_engine_replaced_during_the_check_leaves_it(tiny, engine, caplog):
         calls.append(1)
         return {}
 
-    with caplog.at_level(logging.INFO, logger="rl.weight_checks"):
+    with caplog.at_level(logging.INFO, logger="rl.driver.weight_checks"):
         CoverageCheck().run(push, lambda: [engine] if not calls else [replaced])
     assert len(calls) == 2 and any("writes every tensor of 0 engine(s)" in r.getMessage()
                                    for r in caplog.records)

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from rl.cluster import Cluster
-from rl.run import prepare_run
+from rl.driver.cluster import Cluster
+from rl.driver.run import prepare_run
 from tests.support.env import REPO, compose
 
 
@@ -30,7 +30,7 @@ def test_engine_dying_during_a_sync_fails_fast_naming_it(ray_module, tmp_path):
     cluster = Cluster(cfg, prepare_run(cfg)).start()
     try:
         cluster.learners.push_weights(version=0)
-        pid = ray_module.get(cluster.engines[1].pid.remote())
+        pid = cluster.rollout.engine_pids()[1]
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(Exception) as e:
@@ -54,4 +54,4 @@ def test_weight_misconfiguration_is_refused_before_workers_start(args, fragment)
     proc = subprocess.run([sys.executable, "train.py", *args, "logger=console"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and fragment in proc.stdout + proc.stderr, proc.stderr[-2000:]
-    assert "rl.cluster:" not in proc.stdout and time.monotonic() - t0 < 15
+    assert "rl.driver.cluster:" not in proc.stdout and time.monotonic() - t0 < 15

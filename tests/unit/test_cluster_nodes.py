@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from rl.nodes import check_nodes
+from rl.driver.nodes import check_nodes
 from tests.support.env import compose
 
 
@@ -53,7 +53,7 @@ def test_gpu_pool_larger_than_the_nodes_is_refused():
 
 
 def test_watchdog_names_a_port_that_stopped_listening():
-    from rl.watchdog import Watchdog
+    from rl.driver.watchdog import Watchdog
 
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
@@ -69,7 +69,7 @@ def test_a_port_without_answer_is_a_miss_and_dead_only_after_repeated_misses(mon
     is full drops the handshake) is a miss, which the watchdog counts: dead at the third in
     a row, and an answer resets it."""
     import rl.probe
-    from rl.watchdog import Watchdog
+    from rl.driver.watchdog import Watchdog
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -88,7 +88,7 @@ def test_a_port_without_answer_is_a_miss_and_dead_only_after_repeated_misses(mon
         srv.close()
     assert rl.probe.probe_port("127.0.0.1", port)[0] == "refused"
     outcomes = iter([("miss", "no answer on h:1")] * 2 + [("up", None)] + [("miss", "no answer on h:1")] * 3)
-    monkeypatch.setattr("rl.watchdog.probe_port", lambda host, port: next(outcomes))
+    monkeypatch.setattr("rl.driver.watchdog.probe_port", lambda host, port: next(outcomes))
     dog = Watchdog(misses=3)
     dog.watch_port("master", "h", 1)
     assert [dog.check_now() for _ in range(5)] == [None] * 5

@@ -15,7 +15,9 @@ def test_a_pool_with_every_engine_down_names_each():
 
     import aiohttp
 
-    from rl.rollout.client import EngineClient, EngineError, EnginePool
+    from rl.rollout.client import EngineClient, EngineError
+    from rl.rollout.fanout import EnginePool
+    from rl.rollout.fleet import EngineSet
     from transfer.net import free_port
 
     async def one(pool):
@@ -23,12 +25,12 @@ def test_a_pool_with_every_engine_down_names_each():
             return await pool.generate(session, {"input_ids": [1], "sampling_params": {}}, 5)
 
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
-    pool = EnginePool([EngineClient(u, f"engine-{i}") for i, u in enumerate(urls)], retry=True)
+    pool = EnginePool(EngineSet([EngineClient(u, f"engine-{i}") for i, u in enumerate(urls)]), retry=True)
     with pytest.raises(EngineError, match="every engine is down") as e:
         asyncio.run(one(pool))
     assert all(f"engine-{i} ({u}): engine-{i}" in str(e.value) for i, u in enumerate(urls))
-    assert pool.state == ["down", "down"] and pool.retried == 2
-    plain = EnginePool([EngineClient(u, f"engine-{i}") for i, u in enumerate(urls)])
+    assert pool.engines.state == ["down", "down"] and pool.retried == 2
+    plain = EnginePool(EngineSet([EngineClient(u, f"engine-{i}") for i, u in enumerate(urls)]))
     with pytest.raises(EngineError, match="/generate: no answer") as e:
         asyncio.run(one(plain))
-    assert "every engine" not in str(e.value) and plain.state == ["live", "live"]
+    assert "every engine" not in str(e.value) and plain.engines.state == ["live", "live"]

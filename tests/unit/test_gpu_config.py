@@ -9,7 +9,8 @@ import shlex
 
 import pytest
 
-from rl.cluster import _bundle, describe_placement
+from rl.driver.placement import bundle, describe_placement
+from rl.rollout.engines.commands import server_command
 from tests.support.docs import doc_commands
 from tests.support.env import REPO, compose
 
@@ -23,11 +24,11 @@ def test_two_node_gpu_combinations_compose(transfer, weights):
     assert "8 sglang engines x 1 GPU on nodes with resource 'rollout_node' (8 GPUs)" in plan
     assert "8 learner ranks x 1 GPU on nodes with resource 'train_node' (8 GPUs)" in plan
     # the bundles pin each pool to its node
-    assert _bundle(cfg.cluster.gpus_per_engine, cfg.cluster.engine_resource) == \
+    assert bundle(cfg.cluster.gpus_per_engine, cfg.cluster.engine_resource) == \
         {"CPU": 1.0, "GPU": 1.0, "rollout_node": 0.001}
-    assert _bundle(cfg.cluster.gpus_per_learner, cfg.cluster.learner_resource) == \
+    assert bundle(cfg.cluster.gpus_per_learner, cfg.cluster.learner_resource) == \
         {"CPU": 1.0, "GPU": 1.0, "train_node": 0.001}
-    cmd = cfg.rollout.server_command("/ckpt", "10.0.0.1", 30000, 3, 1, cfg.cluster.gpus_per_engine)
+    cmd = server_command(cfg.rollout, "/ckpt", "10.0.0.1", 30000, 3, 1, cfg.cluster.gpus_per_engine)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--tp-size" in cmd
 
 

@@ -34,7 +34,7 @@ def test_pack_keeps_sampled_ids_and_masks_outside_the_response(tiny_path):
 
 
 def test_split_balanced_is_even_and_balanced():
-    from rl.rollout.manager import split_balanced
+    from rl.rollout.batch import split_balanced
 
     lengths = np.array([10, 1, 9, 2, 8, 3, 7, 4])
     parts = split_balanced(lengths, 2)
@@ -47,7 +47,7 @@ def test_split_balanced_is_even_and_balanced():
 
 # -- drop_zero_std_groups ---------------------------------------------------------------------
 def test_zero_std_groups_counts_and_masks_only_flat_groups():
-    from rl.rollout.manager import zero_std_groups
+    from rl.rollout.batch import zero_std_groups
 
     b = grouped_batch()
     before = [m.copy() for m in b.loss_mask]

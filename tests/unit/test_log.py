@@ -22,11 +22,11 @@ def root():
 
 def test_lines_go_to_stdout_in_one_format_at_the_level(root, capsys):
     setup_logging("WARNING")
-    logging.getLogger("rl.cluster").info("not shown")
-    logging.getLogger("rl.cluster").warning("engine-%d died", 1)
+    logging.getLogger("rl.driver.cluster").info("not shown")
+    logging.getLogger("rl.driver.cluster").warning("engine-%d died", 1)
     out = capsys.readouterr()
     assert out.err == ""
-    assert out.out.endswith(" WARNING rl.cluster: engine-1 died\n") and "not shown" not in out.out
+    assert out.out.endswith(" WARNING rl.driver.cluster: engine-1 died\n") and "not shown" not in out.out
     assert len(out.out.split(" ")[0]) == len("HH:MM:SS")
 
 
@@ -36,11 +36,11 @@ def test_a_console_handler_is_replaced_and_a_file_handler_kept_in_the_same_forma
     root.handlers[:] = [hydra_console, hydra_file]
     setup_logging("INFO")
     setup_logging("INFO")  # a second call replaces its own handler, not adds one
-    logging.getLogger("rl.run").info("checkpoint %s", "step_000002")
+    logging.getLogger("rl.driver.run").info("checkpoint %s", "step_000002")
     hydra_file.flush()
     assert hydra_console not in root.handlers and hydra_file in root.handlers and len(root.handlers) == 2
     printed = capsys.readouterr().out
-    assert printed.count("INFO rl.run: checkpoint step_000002") == 1
+    assert printed.count("INFO rl.driver.run: checkpoint step_000002") == 1
     assert (tmp_path / "train.log").read_text() == printed
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rl.model import load_tokenizer
-from rl.rollout.manager import encode_prompt
+from rl.rollout.batch import encode_prompt
 
 
 def test_chat_template_prompt_is_the_rendered_turn_token_by_token(chat_model_path):

@@ -1,5 +1,5 @@
 """The names check before the first push (``rl.rollout.weight_names``) and the probes of the
-content check after the first pushes (``rl.weight_checks``), on an in-process model; the
+content check after the first pushes (``rl.driver.weight_checks``), on an in-process model; the
 checks against an engine over HTTP are in tests/integration/test_weight_checks.py, and
 tests/unit/test_sglang_contract.py holds the names rules to the release's own loader."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from rl.rollout.weight_names import PushedModel, check_push_names
-from rl.weight_checks import pick_probes, pushed_model
+from rl.driver.weight_checks import pick_probes, pushed_model
 
 QWEN2 = ["Qwen2ForCausalLM"]
 

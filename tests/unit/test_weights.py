@@ -61,11 +61,21 @@ def test_engine_commands_carry_the_model_dtype():
     """model.dtype reaches both engines' command lines (SGLang 0.5.23 takes these spellings);
     SGLang's own --dtype in extra_args would undo it and is refused."""
     from rl.config import HFRolloutConfig, SGLangRolloutConfig
+    from rl.rollout.engines.commands import server_command
 
     for dtype in ("float32", "bfloat16", "float16"):
         for rc in (HFRolloutConfig(), SGLangRolloutConfig()):
-            cmd = rc.server_command("/ckpt", "127.0.0.1", 30000, 0, 1, 1, dtype=dtype)
+            cmd = server_command(rc, "/ckpt", "127.0.0.1", 30000, 0, 1, 1, dtype=dtype)
             assert cmd[cmd.index("--dtype") + 1] == dtype and cmd.count("--dtype") == 1
     for extra in (["--dtype", "half"], ["--dtype=half"]):
         with pytest.raises(ValueError, match="--dtype is set from model.dtype"):
             SGLangRolloutConfig(extra_args=extra)
+
+
+def test_engine_kind_without_a_command_is_an_error_naming_the_known_ones():
+    from rl.config import RolloutConfig
+    from rl.rollout.engines.commands import server_command
+
+    with pytest.raises(ValueError, match=r"rollout='vllm' \(RolloutConfig\).*known: "
+                                         r"HFRolloutConfig \(hf\), SGLangRolloutConfig \(sglang\)"):
+        server_command(RolloutConfig(name="vllm"), "/ckpt", "127.0.0.1", 30000, 0, 1, 1)

@@ -1,6 +1,6 @@
 """Runs one engine server (the CPU engine or SGLang) as a child process and waits for it.
 
-A plain class: ``rl.cluster`` makes it a Ray actor on the engine's bundle. The child dies
+A plain class: ``rl.rollout.fleet`` makes it a Ray actor on the engine's bundle. The child dies
 with its parent (PR_SET_PDEATHSIG), so a killed actor leaves no server behind.
 """
 
@@ -12,6 +12,7 @@ import time
 
 from rl.config import RolloutConfig
 from rl.rollout.client import EngineClient
+from rl.rollout.engines.commands import server_command
 from rl.runtime import node_ip
 from transfer.net import free_port
 from transfer.process import start_child, stop
@@ -42,8 +43,8 @@ class EngineProcess:
             self.host = node_ip()  # resolved here, on the engine's own node
         port = free_port(self.host)
         kwargs = {"dtype": self.dtype} if self.dtype is not None else {}
-        cmd = self.rollout.server_command(self.model_path, self.host, port, self.index, self.seed,
-                                          self.gpus, **kwargs)
+        cmd = server_command(self.rollout, self.model_path, self.host, port, self.index, self.seed,
+                             self.gpus, **kwargs)
         self.url = f"http://{self.host}:{port}"
         client = EngineClient(self.url, f"engine-{self.index}")
         timeout_s = self.rollout.engine_start_timeout_s

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import ray
 
-from rl.nodes import describe_nodes
+from rl.driver.nodes import describe_nodes
 from rl.probe import host_port, probe_port
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,275 @@
+"""Ray at the edge: start Ray, the placement, the rollout manager (which starts its engines)
+and the learner ranks; drive the weight syncs; stop all of them (also on error and Ctrl-C).
+
+The roles (``RolloutManager``, ``Learner``) are plain classes; the driver's handles
+(``rl.driver.rollout``, ``rl.driver.learners``) turn them into Ray actors and hide the
+fan-out: the entry points call ``cluster.rollout.generate(step)`` or
+``cluster.learners.train(ref)`` and get one answer back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+from ray._private.services import canonicalize_bootstrap_address
+
+from rl.backends import data_path, weight_path
+from rl.config import Config
+from rl.driver.learners import EngineUpdateFailed, LearnerGroup, learner_death
+from rl.driver.nodes import check_nodes, node_environments
+from rl.driver.placement import Placement, describe_placement
+from rl.driver.rollout import RolloutHandle
+from rl.driver.run import resume_hint
+from rl.driver.watchdog import Watchdog, ray_nodes_probe
+from rl.driver.weight_checks import ContentCheck, CoverageCheck, check_names
+from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK
+from rl.runtime import Runtime
+from rl.types import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Cluster:
+    """``batches_held``: rollout batches the store holds at once (1 for train.py; generation
+    running ahead holds more), for the store's capacity check."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, batches_held: int = 1) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.batches_held = batches_held
+        self.rollout: RolloutHandle | None = None
+        self.learners: LearnerGroup | None = None
+        self.store: Any = None  # the driver's own store client (for remove)
+        self.receivers: list = []
+        """Every engine as the weight path addresses it (updated when one is replaced)."""
+        self.placement = Placement(cfg)
+        self._started_ray = False
+        self._stop_services = None
+        self.watchdog = None  # set by __enter__: the entry points' runs watch their dependencies
+        self.content_check: ContentCheck | None = None  # set by start()
+        self.coverage_check: CoverageCheck | None = None  # set by start()
+
+    # -- start -------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        cfg = self.cfg
+        data = data_path(cfg.transfer)
+        env = worker_env(cfg)
+        if not ray.is_initialized():
+            if _starts_local_ray(cfg.cluster.address):  # a one-node Ray of our own: check first
+                data.check_environment(1, estimate_step_bytes(cfg), self.batches_held)
+            ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
+                     include_dashboard=False,  # the hook sets logging up in every worker (rl.log)
+                     runtime_env={"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK},
+                     logging_level="WARNING")
+            self._started_ray = True
+        check_nodes(cfg.cluster, ray.nodes())  # a missing node or resource, named, before any worker
+        num_nodes = len([n for n in ray.nodes() if n["Alive"]])
+        if num_nodes > 1 and data.node_env:  # what each node exported before `ray start`
+            for node, node_env in node_environments(data.node_env).items():
+                data.check_node_env(node, node_env, num_nodes)
+        services, self._stop_services = data.start_services(
+            self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
+        self.runtime = dataclasses.replace(self.runtime, transfer=services)
+        logger.info("placement: %s", describe_placement(cfg))
+        self.placement.reserve()
+        self.store = data.build(self.runtime)
+        self.rollout = RolloutHandle(cfg, self.runtime, self.placement.engines, env)
+        engines_started = self.rollout.start_engines()
+        # the learner ranks set up while the engines start: both load the model (on GPUs, each
+        # takes tens of seconds), and neither needs the other until the weight plan below
+        self.learners = LearnerGroup(cfg, self.runtime, self.placement.learners)
+        urls = ray.get(engines_started)
+        logger.info("engines up: %s", ", ".join(urls))
+        self.learners.wait_set_up()
+        self.receivers = self.rollout.receivers()
+        plan = weight_path(cfg.weights).describe_plan(cfg.cluster.num_learners, self.receivers)
+        logger.info("%s plan: %s", cfg.weights.name, plan)
+        with open(os.path.join(self.runtime.output_dir, "weights_plan.txt"), "w") as f:
+            f.write(f"weights={cfg.weights.name}: {plan}\n")
+        # before the first push: names an engine's loader would drop are refused here
+        self.content_check = check_names(self.learners, self.receivers, cfg.model.dtype)
+        self.coverage_check = CoverageCheck() if cfg.weights.check_coverage else None
+        self.learners.connect_engines(self.receivers)
+        return self
+
+    def engine_clients(self) -> list:
+        """Every engine as the weight path addresses it, as of the last sync."""
+        return list(self.receivers)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [r.url for r in self.receivers]
+
+    # -- weights -----------------------------------------------------------------------
+    def push_weights(self, version: int) -> dict[str, float]:
+        """The learners' weights to every engine, as ``version``. With fault tolerance the
+        rollout side replaces the engines found dead first (a new engine on the same bundle,
+        connected by the learners, given these weights, checked to serve ``version`` and only
+        then put back into service), and again after a push an engine died in, which is then
+        made again."""
+        if self.coverage_check is not None:  # the first push, twice (rl.driver.weight_checks)
+            check, self.coverage_check = self.coverage_check, None
+            metrics = check.run(lambda: self._push(version), self.engine_clients)
+        else:
+            metrics = self._push(version)
+        if self.content_check is not None:  # the first pushes are read back (rl.driver.weight_checks)
+            self.content_check.after_push(self.learners, self.engine_clients(), version)
+        return metrics
+
+    def _push(self, version: int) -> dict[str, float]:
+        plan = self.rollout.prepare_sync()
+        restart_s, ok = plan.restart_s, False
+        try:
+            while True:
+                self.receivers = plan.receivers
+                try:
+                    if plan.replaced:  # their groups formed again: part of the replacement's time
+                        t0 = time.perf_counter()
+                        self.learners.reconnect_engines(plan.receivers, plan.replaced)
+                        restart_s += time.perf_counter() - t0
+                    metrics = self.learners.push_weights(version=version)
+                    ok = True
+                    break
+                except EngineUpdateFailed as e:
+                    plan = self.rollout.prepare_sync(unanswered=e.unanswered)
+                    if not plan.replaced:
+                        raise  # not an engine's death: the run's error
+                    restart_s += plan.restart_s
+                    logger.warning("the weight update to version %d failed (%s); %s replaced, "
+                                   "pushing again", version, e,
+                                   ", ".join(f"engine-{i}" for i in plan.replaced))
+        finally:
+            self.rollout.end_sync(ok)
+        if not self.cfg.rollout.fault_tolerance:
+            return metrics
+        return {**metrics, "rollout/engine_restarts": float(plan.restarts),
+                "rollout/engine_restart_s": restart_s}
+
+    # -- stop --------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 60) -> None:
+        """Stop everything this run started; safe to call after a partial start.
+        ``timeout_s``: bound on each graceful close (short when something already died)."""
+        if not ray.is_initialized():
+            return
+        # The learners, the manager and the driver's store close at once: a Mooncake client's
+        # close waits out threads that sleep 1 s between checks (1-2 s each), and three in a
+        # row added about 3 s to every Mooncake run.
+        closing = [(type(p).__name__, p.start_close()) for p in (self.learners, self.rollout)
+                   if p is not None]
+        if self.store is not None:
+            _reported(f"{type(self.store).__name__}.close", self.store.close)
+        deadline = time.monotonic() + timeout_s
+        for name, refs in closing:
+            _reported(f"{name}.close", ray.get, refs, timeout=max(0.0, deadline - time.monotonic()))
+        if self.rollout is not None:
+            _reported("stopping the engines", self.rollout.stop_engines, min(30, timeout_s))
+        # the engines' actors die with the manager that owns them, their servers with them
+        for a in (self.learners.actors if self.learners else []) + \
+                ([self.rollout.actor] if self.rollout else []):
+            ray.kill(a)
+        self.placement.release()
+        if self._stop_services is not None:
+            self._stop_services()
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "Cluster":
+        try:
+            self.start()
+            self.watchdog = self._watch()
+            return self
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def stop_watching(self) -> str | None:
+        """No watchdog interrupt from here on, so that a death found meanwhile cannot cut
+        short the cleanup that follows (``train_async.py``: the sample ledger); returns the
+        death found by one more probe, if any. It is still named when the cluster exits."""
+        if self.watchdog is None:
+            return None
+        self._stop_watchdog()
+        return self.watchdog.check_now()
+
+    def _stop_watchdog(self) -> None:
+        try:
+            self.watchdog.stop()
+        except KeyboardInterrupt:  # its own interrupt, landing here: the failure is recorded
+            if not self.watchdog.fired:
+                raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failure = None
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not (
+            self.watchdog is not None and self.watchdog.fired)
+        if self.watchdog is not None:
+            self._stop_watchdog()
+            # an actor error can arrive before the next probe: look once more. Not after the
+            # user's Ctrl-C: it reached every process of the terminal's group, and what it
+            # stopped is no failure of the run's.
+            failure = self.watchdog.failure if interrupted or exc_type is None else self.watchdog.check_now()
+        if interrupted:
+            logger.warning("interrupted: stopping the run's processes")
+        died = learner_death(exc, self.learners) if failure is None and exc is not None \
+            and not interrupted else None
+        self.shutdown(timeout_s=10 if failure or died else 60)  # graceful closes may wait on the dead
+        if died:
+            hint = resume_hint(self.cfg, self.runtime)  # after shutdown: the last line logged
+            logger.error("%s", hint)
+            failure = f"{died}\n{hint}"
+        if failure:
+            raise RuntimeError(f"the run stopped: {failure}") from exc
+
+    def _watch(self):
+        """Probes of the Mooncake master, each engine server and the Ray nodes (rl.driver.watchdog)."""
+        dog = Watchdog()
+        master = self.runtime.transfer.get("master_server_address")
+        if master:
+            host, _, port = master.rpartition(":")
+            dog.watch_port(f"the Mooncake store's master at {master}", host, int(port))
+        if self.cfg.rollout.fault_tolerance:  # the rollout manager watches them, and says
+            dog.watch("the rollout engines", self.rollout.failure_probe())  # when they cannot be replaced
+        else:
+            for i, url in enumerate(self.engine_urls):
+                dog.watch_url(f"engine-{i} ({url})", url)
+        dog.watch("a Ray node", ray_nodes_probe())
+        return dog.start()
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    """The environment of every process Ray starts for the run (and of the engines' servers)."""
+    return {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads), "TOKENIZERS_PARALLELISM": "false",
+            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING"),  # Mooncake logs INFO by default
+            "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
+            LEVEL_ENV: cfg.log_level}
+
+
+def _reported(what: str, fn, *args, **kwargs) -> None:
+    """``fn(*args, **kwargs)``, logging what failed instead of raising: a shutdown keeps
+    stopping the rest."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        logger.warning("%s failed: %s", what, e)
+
+
+def _starts_local_ray(address: str | None) -> bool:
+    """Whether ``ray.init(address=address)`` starts a new one-node Ray here, by Ray's own rule:
+    not when the address, ``RAY_ADDRESS`` or a ``ray start`` on this machine names a cluster."""
+    try:
+        return canonicalize_bootstrap_address(address) is None
+    except Exception:  # an address Ray cannot read: ray.init says why
+        return False
+
+
+def estimate_step_bytes(cfg: Config) -> int:
+    """Upper bound of one step's rollout batch in a store, for capacity checks."""
+    return RolloutBatch.estimate_nbytes(cfg.rollout.batch_size, cfg.rollout.max_prompt_tokens,
+                                        cfg.rollout.max_new_tokens)

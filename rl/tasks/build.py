@@ -1,0 +1,47 @@
+"""Builds the task a ``task`` schema describes: ``build_task(cfg.task)``.
+
+``BUILDERS`` maps each schema class of ``rl/config/task.py`` to the function that builds its
+task (a subclass of a registered schema gets its parent's builder unless it registers its
+own). A new task: its schema there, its builder and its entry here.
+
+Not re-exported by ``rl.tasks``: this module imports ``rl.config.task``, which imports
+``rl.tasks.jsonl`` (to check the file), which imports ``rl.tasks``; that would be a cycle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from rl.config.task import AdditionTaskConfig, JsonlTaskConfig, RepeatLetterTaskConfig, TaskConfig
+from rl.tasks import Task
+from rl.tasks.builtin import AdditionTask, RepeatLetterTask
+from rl.tasks.jsonl import JsonlTask
+
+
+def repeat_letter_task(cfg: RepeatLetterTaskConfig) -> RepeatLetterTask:
+    return RepeatLetterTask(repeat=cfg.repeat, seed=cfg.seed)
+
+
+def addition_task(cfg: AdditionTaskConfig) -> AdditionTask:
+    return AdditionTask(max_value=cfg.max_value, seed=cfg.seed)
+
+
+def jsonl_task(cfg: JsonlTaskConfig) -> JsonlTask:
+    return JsonlTask(path=os.path.expanduser(cfg.path), reward=cfg.reward, seed=cfg.seed)
+
+
+BUILDERS: dict[type, Callable[..., Task]] = {RepeatLetterTaskConfig: repeat_letter_task,
+                                             AdditionTaskConfig: addition_task,
+                                             JsonlTaskConfig: jsonl_task}
+"""Builder of each ``task`` schema class."""
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """The task ``cfg`` describes (a JSONL task reads its file here)."""
+    builder = next((BUILDERS[t] for t in type(cfg).__mro__ if t in BUILDERS), None)
+    if builder is None:
+        known = ", ".join(f"{t.__name__} ({t.name})" for t in BUILDERS)
+        raise ValueError(f"task={cfg.name!r} ({type(cfg).__name__}): no builder is registered "
+                         f"for it in rl.tasks.build.BUILDERS; known: {known}")
+    return builder(cfg)
