@@ -124,9 +124,10 @@ class Cluster:
         return metrics
 
     def _push(self, version: int) -> dict[str, float]:
-        plan = self.rollout.prepare_sync()
-        restart_s, ok = plan.restart_s, False
+        ok = False
         try:
+            plan = self.rollout.prepare_sync()  # replacing engines may fail: the sync still ends
+            restart_s = plan.restart_s
             while True:
                 self.receivers = plan.receivers
                 try:
@@ -138,7 +139,7 @@ class Cluster:
                     ok = True
                     break
                 except EngineUpdateFailed as e:
-                    plan = self.rollout.prepare_sync(unanswered=e.unanswered)
+                    plan = self.rollout.prepare_sync(unanswered=list(e.unanswered))
                     if not plan.replaced:
                         raise  # not an engine's death: the run's error
                     restart_s += plan.restart_s
@@ -146,7 +147,10 @@ class Cluster:
                                    "pushing again", version, e,
                                    ", ".join(f"engine-{i}" for i in plan.replaced))
         finally:
-            self.rollout.end_sync(ok)
+            if ok:
+                self.rollout.end_sync(ok)
+            else:  # an error is on its way: ending the sync must not replace it
+                _reported("ending the weight sync", self.rollout.end_sync, ok)
         if not self.cfg.rollout.fault_tolerance:
             return metrics
         return {**metrics, "rollout/engine_restarts": float(plan.restarts),

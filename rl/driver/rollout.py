@@ -70,7 +70,7 @@ class RolloutHandle:
         finally:
             self._ray.get(self.actor.resume.remote())
 
-    # fully async: a stream of batches (see rl.rollout.manager.Stream)
+    # fully async: a stream of batches (see rl.rollout.stream.Stream)
     def start_stream(self, first_step: int) -> None:
         self._ray.get(self.actor.start_stream.remote(first_step))
 
@@ -105,9 +105,10 @@ class RolloutHandle:
         return [self.actor.close.remote()]
 
     # the engines (rl.rollout.fleet): see Cluster.push_weights
-    def prepare_sync(self, unanswered: list[str] = ()):
-        """The engines to push to, dead ones replaced (``EngineFleet.prepare_sync``)."""
-        return self._ray.get(self.actor.prepare_sync.remote(list(unanswered)))
+    def prepare_sync(self, unanswered: list[str] | None = None):
+        """The engines to push to, dead ones replaced; ``unanswered`` after a failed push
+        (``EngineFleet.prepare_sync``)."""
+        return self._ray.get(self.actor.prepare_sync.remote(unanswered))
 
     def end_sync(self, ok: bool) -> list[int]:
         return self._ray.get(self.actor.end_sync.remote(ok))

@@ -1,6 +1,6 @@
 """One learner rank: FSDP2 policy, GRPO update on its partition, weight push, checkpoints.
 
-A plain class (``rl.driver.cluster`` makes it a Ray actor). All ranks call the same methods in
+A plain class (``rl.driver.learners.LearnerGroup`` makes it a Ray actor). All ranks call the same methods in
 the same order: ``setup`` -> (``train`` -> ``push_weights``)* -> ``close``.
 """
 

@@ -197,22 +197,23 @@ class EngineFleet:
                 self.engines.mark_down(i, str(e))
 
     # -- weight syncs and failures ----------------------------------------------------------
-    def prepare_sync(self, unanswered: list[str] = ()) -> SyncPlan:
+    def prepare_sync(self, unanswered: list[str] | None = None) -> SyncPlan:
         """Before a push: no ``/health_generate`` until ``end_sync``, and the engines out of
         service are replaced. Asked again after a push failed, with the URLs of the engines it
-        got no answer from: those are taken out of service, the others probed, and the dead
-        replaced. Without fault tolerance nothing is replaced (``replaced`` is empty)."""
+        got no answer from (``unanswered``, possibly empty): those are taken out of service,
+        every engine probed, and the dead replaced. Without fault tolerance nothing is
+        replaced (``replaced`` is empty)."""
         if not self.engines.holding:
             self.engines.holding = True
             if self.monitor is not None:
                 self.monitor.suspend()
         if self.monitor is None:
             return SyncPlan(self.receivers(), [], self.restarts, 0.0)
-        stuck = {u.rstrip("/") for u in unanswered}
-        for i, client in enumerate(self.engines.clients):
-            if client.url in stuck:
-                self.engines.mark_down(i, "no answer to its weight update after the push failed")
-        if unanswered:
+        if unanswered is not None:  # after a failed push
+            stuck = {u.rstrip("/") for u in unanswered}
+            for i, client in enumerate(self.engines.clients):
+                if client.url in stuck:
+                    self.engines.mark_down(i, "no answer to its weight update after the push failed")
             self.monitor.check_now()
         t0 = time.perf_counter()
         replaced = self._replace(dict(self.engines.down_reason))

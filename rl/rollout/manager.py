@@ -154,7 +154,7 @@ class RolloutManager:
         self.fleet.resume()
 
     # -- the engines (rl.rollout.fleet; weight syncs framed by rl.driver.cluster.Cluster.push_weights)
-    def prepare_sync(self, unanswered: list[str] = ()) -> SyncPlan:
+    def prepare_sync(self, unanswered: list[str] | None = None) -> SyncPlan:
         return self.fleet.prepare_sync(unanswered)
 
     def end_sync(self, ok: bool) -> list[int]:

@@ -53,7 +53,7 @@ def test_killed_learner_is_named_and_the_printed_command_resumes_the_run(tmp_pat
     assert re.search(named, first_out), first_out[-3000:]
     assert_nothing_left(engine_ports(first_out))
 
-    printed = re.findall(r"rl\.cluster: resume with: (.*)$", first_out, re.M)
+    printed = re.findall(r"rl\.driver\.cluster: resume with: (.*)$", first_out, re.M)
     assert len(printed) == 1, first_out[-3000:]
     command = printed[0]
     newest = complete_checkpoints(out / "checkpoints")[-1]  # what the run left behind

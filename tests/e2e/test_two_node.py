@@ -272,7 +272,7 @@ def test_loopback_mooncake_hostname_is_refused_before_workers_start(two_nodes, t
     rc = job.finish()
     assert rc is not None and rc != 0, job.text[-3000:]  # None: it hung and was stopped
     assert "a loopback address, but the Ray cluster has 2 nodes" in job.text, job.text[-3000:]
-    assert "rl.driver.cluster: starting" not in job.text and left_over() == {}
+    assert "rl.rollout.fleet: starting" not in job.text and left_over() == {}
 
 
 def run_until_killed(tmp_path, transfer: str, kill, named: str) -> str:

@@ -26,7 +26,7 @@ def test_two_node_on_a_one_node_ray_is_refused_before_workers_start(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "cluster=two_node needs 2 Ray nodes but the Ray cluster has 1" in out, \
         out[-3000:]
-    assert "rl.driver.cluster: starting" not in out and time.monotonic() - t0 < 60
+    assert "rl.rollout.fleet: starting" not in out and time.monotonic() - t0 < 60
     assert pids_with(str(tmp_path)) == []
     assert_nothing_left([])  # Ray's idle workers exit after their raylet, on their own time
 

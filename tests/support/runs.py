@@ -88,6 +88,6 @@ def check_ledger(ledger: list[dict], rows: list[dict], stdout: str, max_stalenes
     assert sorted(trained_per_step) == steps == list(range(first_step, first_step + len(rows)))
     assert [trained_per_step[r["step"]] for r in rows] == [r["train/samples"] for r in rows]
     assert sum(r["async/dropped_samples"] for r in rows) == outcomes["stale"]
-    m = re.search(r"rl\.run: samples: (\d+) generated = (\d+) trained", stdout)
+    m = re.search(r"rl\.driver\.run: samples: (\d+) generated = (\d+) trained", stdout)
     assert m and (int(m[1]), int(m[2])) == (len(ids), outcomes["trained"]), stdout[-2000:]
     return outcomes
