@@ -48,11 +48,11 @@ def reference(overrides: list[str], steps: int, threads: int) -> list[dict[str, 
     import numpy as np
     import torch
 
-    from rl.algo import agg_count, agg_sum, grpo_advantages, policy_loss_bt, token_logprobs
+    from rl.algo import agg_count, agg_sum, policy_loss_bt, token_logprobs
     from rl.model import eos_token_ids, load_model, load_tokenizer, resolve_model_path
     from rl.rollout.engines.hf_engine import HFEngine
     from rl.rollout.engines.sampling import GenRequest, parse_sampling_params
-    from rl.rollout.batch import encode_prompt
+    from rl.rollout.batch import encode_prompt, grpo_advantages
     from rl.tasks.build import build_task
 
     cfg = compose(*overrides)

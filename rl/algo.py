@@ -1,35 +1,14 @@
-"""GRPO math: group-normalised advantages, the PPO clipped loss, KL estimators, entropy and
-loss aggregation.
+"""The learner's loss math: the PPO clipped loss, KL estimators, entropy and loss
+aggregation (the GRPO advantages are computed on the rollout side: ``rl.rollout.batch``).
 
 Shapes are in the names: ``_b`` per sample, ``_bt`` per sample and token position.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
+import torch
 
 from rl.config import KL_ESTIMATORS, LOSS_AGGS  # listed there: validating a config needs no torch
-from rl.lazy import LazyModule
-
-if TYPE_CHECKING:
-    import torch
-else:  # the rollout manager imports this module for the advantages only
-    torch = LazyModule("torch")
-
-
-def grpo_advantages(rewards: np.ndarray, group_size: int, std_norm: bool = True,
-                    eps: float = 1e-6) -> np.ndarray:
-    """(r - mean of its group) / (std of its group + eps); groups are consecutive runs of
-    ``group_size`` samples. A group whose rewards are all equal gets zero advantage."""
-    r_gn = rewards.reshape(-1, group_size).astype(np.float64)
-    adv_gn = r_gn - r_gn.mean(axis=1, keepdims=True)
-    if std_norm:
-        adv_gn = adv_gn / (r_gn.std(axis=1, keepdims=True) + eps)  # population std
-    return adv_gn.reshape(-1).astype(np.float32)
-
-
 
 
 def policy_loss_bt(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Tensor,

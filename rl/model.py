@@ -16,12 +16,9 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from rl.config import DTYPE_BYTES, ModelConfig, TinyModelConfig
-from rl.lazy import LazyModule
 
 if TYPE_CHECKING:
     import torch
-else:  # the driver reads checkpoints' configs and builds no model
-    torch = LazyModule("torch")
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 :+=-*?.,!")
@@ -82,7 +79,8 @@ def build_char_tokenizer():
 
 
 def _build_tiny_model(tiny: TinyModelConfig, tokenizer):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import torch  # torch and transformers where a model is built: the driver and the rollout
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # manager read checkpoints only
 
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=tiny.hidden_size,
@@ -114,6 +112,7 @@ def load_tokenizer(path: str):
 
 def load_model(path: str, dtype: str = "float32", device: str | torch.device = "cpu"):
     """A causal LM from a checkpoint directory, in ``dtype`` on ``device``, in train mode off."""
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -18,7 +18,6 @@ import ray
 
 from rl.config import Config
 from rl.driver.placement import in_bundle
-from rl.learner.learner import Learner
 from rl.log import first_line
 from rl.runtime import Runtime
 
@@ -32,6 +31,10 @@ class LearnerGroup:
 
     def __init__(self, cfg: Config, runtime: Runtime, pg) -> None:
         n = cfg.cluster.num_learners
+        # start-up cost: the learner's module loads torch (1-2 s), which the driver never uses;
+        # imported when the ranks start, while the engines start too
+        from rl.learner.learner import Learner
+
         cls = ray.remote(Learner)
         self.actors = [cls.options(num_cpus=0, num_gpus=cfg.cluster.gpus_per_learner or None,
                                    scheduling_strategy=in_bundle(pg, r)).remote(cfg, runtime, r, n)

@@ -10,26 +10,21 @@ import datetime
 import math
 import os
 import time
-from typing import TYPE_CHECKING
-
 import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rl.algo import agg_count, agg_sum, entropy_bt, kl_penalty_bt, policy_loss_bt, token_logprobs
 from rl.backends import data_path, weight_path
 from rl.config import Config
-from rl.lazy import LazyModule
 from rl.learner import checkpoint
 from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
 from transfer.net import free_port
 
-if TYPE_CHECKING:
-    import torch
-    import torch.distributed as dist
-else:  # the driver imports this module only to make the Ray actor: torch loads in the learner
-    torch = LazyModule("torch")
-    dist = LazyModule("torch.distributed")
 
 
 class Learner:
@@ -47,10 +42,6 @@ class Learner:
         return node_ip(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        # torch in the methods (start-up cost): the driver imports this module to make the actor
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         cfg = self.cfg
         if self.on_gpu:
             torch.cuda.set_device(0)  # Ray exposes one GPU per learner as cuda:0

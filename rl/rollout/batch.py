@@ -1,10 +1,11 @@
 """The step's batch, from the engines' answers to the learners' partitions (pure functions).
 
 ``build_batch`` turns SGLang ``/generate`` answers into a ``RolloutBatch``: tokens and
-log-probs exactly as sampled, rewards, GRPO advantages, and each sample's weight version,
-the oldest it saw (``sample_weight_version``); ``zero_std_groups`` counts (and may mask) the
-groups without a learning signal; ``split_balanced`` splits the batch over the learner ranks;
-``encode_prompt`` turns a prompt's text into the token ids the engines get.
+log-probs exactly as sampled, rewards, GRPO advantages (``grpo_advantages``), and each
+sample's weight version, the oldest it saw (``sample_weight_version``); ``zero_std_groups``
+counts (and may mask) the groups without a learning signal; ``split_balanced`` splits the
+batch over the learner ranks; ``encode_prompt`` turns a prompt's text into the token ids the
+engines get.
 """
 
 from __future__ import annotations
@@ -13,9 +14,19 @@ from typing import Callable
 
 import numpy as np
 
-from rl.algo import grpo_advantages
 from rl.tasks import Prompt
 from rl.types import RolloutBatch
+
+
+def grpo_advantages(rewards: np.ndarray, group_size: int, std_norm: bool = True,
+                    eps: float = 1e-6) -> np.ndarray:
+    """(r - mean of its group) / (std of its group + eps); groups are consecutive runs of
+    ``group_size`` samples. A group whose rewards are all equal gets zero advantage."""
+    r_gn = rewards.reshape(-1, group_size).astype(np.float64)
+    adv_gn = r_gn - r_gn.mean(axis=1, keepdims=True)
+    if std_norm:
+        adv_gn = adv_gn / (r_gn.std(axis=1, keepdims=True) + eps)  # population std
+    return adv_gn.reshape(-1).astype(np.float32)
 
 
 def zero_std_groups(batch: RolloutBatch, group_size: int, drop: bool) -> int:

@@ -52,7 +52,7 @@ def test_the_driver_and_the_rollout_manager_load_no_torch(tiny_path, tmp_path):
     code = ("import sys; from tests.support.env import compose\n"
             "from rl.driver.run import prepare_run\n"
             "from rl.driver.cluster import Cluster\n"
-            "from rl.learner.learner import Learner\n"
+            "from rl.driver.learners import LearnerGroup\n"
             "from rl.rollout.manager import RolloutManager\n"
             "from rl.model import load_tokenizer\n"
             f"runtime = prepare_run(compose('output_dir={tmp_path}'))\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rl.algo import grpo_advantages
+from rl.rollout.batch import grpo_advantages
 from rl.types import RolloutBatch
 
 

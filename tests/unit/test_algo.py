@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from rl.algo import (agg_count, agg_sum, entropy_bt, grpo_advantages, kl_k3, kl_penalty_bt, policy_loss,
+from rl.algo import (agg_count, agg_sum, entropy_bt, kl_k3, kl_penalty_bt, policy_loss,
                      policy_loss_bt, token_logprobs)
+from rl.rollout.batch import grpo_advantages
 
 
 def test_advantages_by_hand():
