@@ -18,6 +18,7 @@ import ray
 
 from rl.config import Config
 from rl.driver.placement import in_bundle
+from rl.learner.actor import LearnerActor
 from rl.log import first_line
 from rl.runtime import Runtime
 
@@ -31,11 +32,7 @@ class LearnerGroup:
 
     def __init__(self, cfg: Config, runtime: Runtime, pg) -> None:
         n = cfg.cluster.num_learners
-        # start-up cost: the learner's module loads torch (1-2 s), which the driver never uses;
-        # imported when the ranks start, while the engines start too
-        from rl.learner.learner import Learner
-
-        cls = ray.remote(Learner)
+        cls = ray.remote(LearnerActor)
         self.actors = [cls.options(num_cpus=0, num_gpus=cfg.cluster.gpus_per_learner or None,
                                    scheduling_strategy=in_bundle(pg, r)).remote(cfg, runtime, r, n)
                        for r in range(n)]
@@ -45,9 +42,9 @@ class LearnerGroup:
         # Each rank sets up (process group, model, store client) from here on, while the
         # caller goes on; ``wait_set_up`` waits. A rank runs its calls in order, and Ray
         # hands every rank rank 0's rendezvous address once rank 0 has answered.
-        self._where = [a.__ray_call__.remote(pid_and_node) for a in self.actors]
-        rendezvous = self.actors[0].address.remote()
-        self._setting_up = [a.__ray_call__.remote(_set_up, rendezvous) for a in self.actors]
+        self._where = [a.apply.remote(pid_and_node) for a in self.actors]
+        rendezvous = self.actors[0].call.remote("address")
+        self._setting_up = [a.apply.remote(_set_up, rendezvous) for a in self.actors]
         self.where: list[tuple[int, str]] = [(0, "?")] * n
         """(pid, node IP) of each rank, to name a dead one (known after ``wait_set_up``)."""
 
@@ -58,7 +55,7 @@ class LearnerGroup:
         self._gather(self._setting_up)
 
     def _all(self, method: str, *args, timeout: float | None = None) -> list:
-        return self._gather([getattr(a, method).remote(*args) for a in self.actors], timeout)
+        return self._gather([a.call.remote(method, *args) for a in self.actors], timeout)
 
     def _gather(self, refs: list, timeout: float | None = None) -> list:
         # ray.get of a list raises as soon as any call fails, without waiting for the rest
@@ -95,7 +92,7 @@ class LearnerGroup:
         """``fn(learner, *args)`` on every rank, in order with the ranks' other calls, and
         rank 0's answer; ``rank0_only`` for a ``fn`` that runs no collective."""
         actors = self.actors[:1] if rank0_only else self.actors
-        return self._gather([a.__ray_call__.remote(fn, *args) for a in actors])[0]
+        return self._gather([a.apply.remote(fn, *args) for a in actors])[0]
 
     def connect_engines(self, receivers: list) -> None:
         self._all("connect_engines", receivers)
@@ -111,7 +108,7 @@ class LearnerGroup:
         error names the engines that gave no answer on every rank (each p2p sender has its
         own), as ``EngineUpdateFailed``."""
         ray = self._ray
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        refs = [a.call.remote(method, *args) for a in self.actors]
         try:
             return self._gather(refs)  # LearnerDied when a rank is gone
         except ray.exceptions.RayError as e:
@@ -147,7 +144,7 @@ class LearnerGroup:
                 self._ray.get(setup, timeout=0)  # GetTimeoutError while it sets up
             except self._ray.exceptions.RayError:
                 continue
-            refs.append(actor.close.remote())
+            refs.append(actor.call.remote("close"))
         return refs
 
 

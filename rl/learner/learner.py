@@ -1,7 +1,8 @@
 """One learner rank: FSDP2 policy, GRPO update on its partition, weight push, checkpoints.
 
-A plain class (``rl.driver.learners.LearnerGroup`` makes it a Ray actor). All ranks call the same methods in
-the same order: ``setup`` -> (``train`` -> ``push_weights``)* -> ``close``.
+A plain class, built in its own process by the Ray actor ``rl.learner.actor.LearnerActor``.
+All ranks call the same methods in the same order: ``setup`` -> (``train`` ->
+``push_weights``)* -> ``close``.
 """
 
 from __future__ import annotations

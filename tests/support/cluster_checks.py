@@ -46,7 +46,7 @@ def learner_state(cluster) -> dict[str, torch.Tensor]:
 
         return {n: full_tensor(p).detach().cpu().clone() for n, p in learner.model.named_parameters()}
 
-    return ray.get([a.__ray_call__.remote(gather) for a in cluster.learners.actors])[0]
+    return ray.get([a.apply.remote(gather) for a in cluster.learners.actors])[0]
 
 
 def assert_engines_hold(cluster, state: dict, version: int | str | None) -> None:
