@@ -67,7 +67,7 @@ def reference(overrides: list[str], steps: int, threads: int) -> list[dict[str, 
     task = build_task(cfg.task)
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(a.adam_beta1, a.adam_beta2),
                                   weight_decay=a.weight_decay)
-    kwargs = parse_sampling_params(rc.sampling_params(), engine.vocab_size)[0]
+    kwargs = parse_sampling_params(rc.sampling_params())[0]
     pad_id = tokenizer.pad_token_id or 0
     n, T = rc.n_samples_per_prompt, rc.temperature
     rows = []

@@ -5,9 +5,10 @@ on running CPU engines and spawned ranks:
   loop, for both weight paths, several engines and engines of two ranks;
 - every request the client sends goes to a route the release's HTTP server has, with the
   method it allows, and its body validates against that route's request type;
-- the CPU engine accepts what the release's ``/generate`` schema accepts (or refuses it by
-  name), answers in the release's response schema, and refuses bad input in the bodies the
-  release's own handlers produce (run here from the wheel's source);
+- SGLang's own frontend (``sglang.lang``, the release's ``RuntimeEndpoint``) runs a program
+  against a CPU engine over HTTP, with requests the release accepts;
+- the CPU engine serves the release's sampling fields it claims to, refuses the others by
+  name in its one 400, and answers in the release's response schema;
 - the CPU engine's ``/get_weights_by_name`` (read by the content check after a push) answers
   what the release's route answers.
 
@@ -166,19 +167,26 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
     finally:
         proxy.close()
 
-    routes, classes = sgl.routes(), sgl.request_classes()
-    called = {(m, p) for m, p, _ in proxy.seen}
+    called = {p for _, p, _ in proxy.seen}
     for path in ("/generate", "/health_generate", "/model_info", "/begin_weight_update",
                  "/update_weights_from_distributed", "/end_weight_update", "/flush_cache",
                  "/init_weights_update_group", "/destroy_weights_update_group", "/pause_generation",
                  "/continue_generation", "/get_weights_by_name", "/weights_checker"):
-        assert any(p == path for _, p in called), f"the client never called {path}"
-    for method, path, body in proxy.seen:
+        assert path in called, f"the client never called {path}"
+    _check_fits_release(proxy.seen)
+
+
+def _check_fits_release(seen: list[tuple[str, str, dict | None]]) -> None:
+    """Each recorded request goes to a route of the release, with a method it allows, and
+    its body validates against the route's request type."""
+    from sglang.api.v1.api_types import GenerateRequest
+
+    routes, classes = sgl.routes(), sgl.request_classes()
+    for method, path, body in seen:
         route = routes.get(path)
         assert route is not None, f"SGLang {SGLANG_VERSION} has no route {path}"
         assert method in route.methods, f"{method} {path}: SGLang allows {sorted(route.methods)}"
         if path == "/generate":  # the server's contract gate, then its dataclass parse
-            from sglang.api.v1.api_types import GenerateRequest
             GenerateRequest.from_json_value(body)
         elif route.body_type is not None:
             sgl.validate_body(classes[route.body_type], body if body is not None else {})
@@ -186,47 +194,85 @@ def test_every_request_the_client_sends_fits_the_release(engine, tiny_path):
             assert not body, f"{path} takes no body, the client sent {body}"
 
 
+def test_sglangs_frontend_runs_against_the_cpu_engine(engine):
+    """The release's own frontend language client (``sglang.lang``, imported from the wheel:
+    it needs no GPU) runs a program on the CPU engine: it reads ``/get_model_info``,
+    generates through ``/generate`` with its own sampling fields (greedy: the same text as
+    a direct request), flushes the cache and reads the server info, every request one the
+    release accepts; a feature the engine does not serve (constrained decoding) reaches the
+    program as the engine's 400, naming the field."""
+    import sglang as sgl_frontend
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    proxy = RecordingProxy(engine)
+    try:
+        backend = RuntimeEndpoint(proxy.url)
+        assert backend.get_model_name() == backend.model_info["model_path"]
+
+        @sgl_frontend.function
+        def answer(s, question):
+            s += question + sgl_frontend.gen("reply", max_tokens=6, temperature=0, ignore_eos=True)
+
+        state = answer.run(question="ab:", backend=backend)
+        direct = requests.post(engine + "/generate", json={
+            "text": "ab:", "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                               "ignore_eos": True}}, timeout=60).json()
+        assert state["reply"] == direct["text"] and state.text() == "ab:" + direct["text"]
+        assert state.get_meta_info("reply")["completion_tokens"] == 6
+        backend.flush_cache()
+        assert backend.get_server_info()["internal_states"][0]["running_requests"] == 0
+
+        @sgl_frontend.function
+        def constrained(s):
+            s += "n:" + sgl_frontend.gen("n", max_tokens=4, regex="[0-9]+")
+
+        with pytest.warns(UserWarning, match="Error in stream_executor"):  # how it reports one
+            error = constrained.run(backend=backend).error()
+        assert isinstance(error, RuntimeError) and "does not serve sampling_params.regex" in str(error)
+    finally:
+        proxy.close()
+    called = {p for _, p, _ in proxy.seen}
+    assert {"/get_model_info", "/generate", "/flush_cache", "/server_info"} <= called
+    _check_fits_release(proxy.seen)
+
+
 # -- the CPU engine against the release's /generate schema ------------------------------------
-# A valid, non-default value for every field of the release's SamplingParams.
-SAMPLING_VALUES = {
-    "max_new_tokens": 3, "stop": ["zz"], "stop_token_ids": [7], "stop_regex": "z+",
-    "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "frequency_penalty": 0.5,
-    "presence_penalty": 0.5, "repetition_penalty": 1.2, "min_new_tokens": 1, "n": 2,
-    "json_schema": '{"type": "string"}', "regex": "a+", "ebnf": 'root ::= "a"',
-    "structural_tag": "{}", "ignore_eos": True, "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "no_stop_trim": True, "stream_interval": 2,
+# A valid, non-default value for every field of the release's SamplingParams that the engine serves.
+SERVED_VALUES = {
+    "max_new_tokens": 3, "stop": ["zz"], "stop_token_ids": [7], "temperature": 0.5, "top_p": 0.9,
+    "top_k": 5, "min_p": 0.05, "frequency_penalty": 0.5, "presence_penalty": 0.5,
+    "min_new_tokens": 1, "n": 2, "ignore_eos": True, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+}
+# ... and of those it does not: refused by name.
+UNSERVED_VALUES = {
+    "stop_regex": "z+", "json_schema": '{"type": "string"}', "regex": "a+", "ebnf": 'root ::= "a"',
+    "structural_tag": "{}", "repetition_penalty": 1.2, "no_stop_trim": True, "stream_interval": 2,
     "logit_bias": {"5": 1.5}, "sampling_seed": 3, "custom_params": {"x": 1}, "beam_width": 2,
     "watermark": {"enabled": True}, "choice": ["a", "b"],
 }
 
-# Constrained decoding and beam search: refused by name (the CPU engine has no grammar engine).
-REFUSED = {"stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params",
-           "beam_width", "watermark", "choice"}
 
-
-def test_cpu_engine_takes_every_sampling_field_of_the_release(engine):
+def test_cpu_engine_takes_the_sampling_fields_it_serves_and_refuses_the_others(engine):
     import msgspec
     from sglang.api.v1.api_types import GenerateRequest, GenerateResponse, SamplingParams
 
     fields = {f.name for f in msgspec.structs.fields(SamplingParams)}
-    assert fields == set(SAMPLING_VALUES), "the pinned release changed SamplingParams: update both"
-    for name, value in SAMPLING_VALUES.items():
+    assert fields == set(SERVED_VALUES) | set(UNSERVED_VALUES), "the pinned release changed SamplingParams"
+    for name, value in {**SERVED_VALUES, **UNSERVED_VALUES}.items():
         body = {"input_ids": [5, 6, 7], "return_logprob": True,
                 "sampling_params": {"max_new_tokens": 3, name: value}}
         GenerateRequest.from_json_value(body)  # the release takes it
         r = requests.post(engine + "/generate", json=body, timeout=60)
-        if name in REFUSED:
-            assert r.status_code == 400 and name in r.json()["error"]["message"], (name, r.text)
+        if name in UNSERVED_VALUES:
+            assert r.status_code == 400, (name, r.text)
+            assert f"does not serve sampling_params.{name};" in r.json()["error"]["message"], r.text
             continue
         assert r.status_code == 200, (name, r.text)
         answers = r.json() if isinstance(r.json(), list) else [r.json()]
         assert len(answers) == (2 if name == "n" else 1), name
         for a in answers:
             GenerateResponse.from_json_value(a)
-    # an unknown key: the release's gate refuses it, and so does the engine, by name
-    r = requests.post(engine + "/generate", json={"input_ids": [5], "sampling_params": {"max_tokens": 3}},
-                      timeout=60)
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]  # the contract gate's body
     assert requests.get(engine + "/health_generate", timeout=60).status_code == 200
 
 
@@ -277,100 +323,6 @@ def _from_source(module: str, name: str, ns: dict, decorated: str | None = None)
     exec(compile(ast.Module(body=[node], type_ignores=[]), sgl.source_path(module), "exec",
                  flags=flags, dont_inherit=True), ns)
     return ns[name]
-
-
-class SGLangErrors:
-    """SGLang's own code for the answers to bad input, from the installed wheel's
-    ``http_server``: ``generate_request`` (its contract gate) and ``serve_generate_request``
-    with a tokenizer manager that raises the ``ValueError`` given; the
-    ``RequestValidationError`` handler (FastAPI's refusal of a body) with SGLang's
-    ``ErrorResponse``."""
-
-    def __init__(self) -> None:
-        import typing
-
-        from pydantic import BaseModel
-        from sglang.srt.entrypoints.api_contract import generate_contract_error
-
-        self.refusal: ValueError | None = None
-        self.served = 0
-
-        async def answers(obj, request):
-            self.served += 1
-            if self.refusal is not None:
-                raise self.refusal
-            yield {"text": ""}
-
-        manager = SimpleNamespace(generate_request=answers)
-        env = SimpleNamespace(SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=SimpleNamespace(get=lambda: False))
-        ns = {"ORJSONResponse": _Response, "HTTPStatus": HTTPStatus, "Optional": typing.Optional,
-              "BaseModel": BaseModel, "generate_contract_error": generate_contract_error,
-              "_global_state": SimpleNamespace(tokenizer_manager=manager), "envs": env,
-              "logger": SimpleNamespace(error=lambda *a: None, info=lambda *a: None),
-              "orjson_response": lambda ret: _Response(ret), "__name__": "sglang_http_subset"}
-        _from_source("sglang.srt.entrypoints.openai.protocol", "ErrorResponse", ns)
-        for name in ("_create_error_response", "serve_generate_request"):
-            _from_source(sgl.HTTP_SERVER, name, ns)
-        self._generate = _from_source(sgl.HTTP_SERVER, "generate_request", ns)
-        self._invalid = _from_source(sgl.HTTP_SERVER, "validation_exception_handler", ns,
-                                     decorated="RequestValidationError")
-
-    def generate(self, body: dict, refusal: str | None = None) -> _Response:
-        """SGLang's answer to a ``/generate`` body FastAPI parsed; past the gate, its
-        tokenizer manager raises ``ValueError(refusal)`` (when given)."""
-        self.refusal = None if refusal is None else ValueError(refusal)
-        self.served = 0
-
-        async def json_body():
-            return body
-
-        request = SimpleNamespace(json=json_body, headers={})
-        return asyncio.run(self._generate(SimpleNamespace(stream=False), request))
-
-    def invalid_body(self, path: str) -> _Response:
-        """SGLang's answer to a body FastAPI could not parse (its ``json_invalid`` error)."""
-        class Invalid(Exception):
-            def errors(self):
-                return [{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error",
-                         "input": {}, "ctx": {"error": "Expecting property name"}}]
-
-        request = SimpleNamespace(url=SimpleNamespace(path=path), scope={})
-        return asyncio.run(self._invalid(request, Invalid()))
-
-
-def test_cpu_engine_refuses_bad_input_in_the_release_bodies(engine):
-    """Three kinds of bad input, each answered with the status and body keys SGLang's own
-    handlers give it, with a message naming the problem."""
-    sg = SGLangErrors()
-    post = lambda path, **kw: requests.post(engine + path, timeout=60, **kw)  # noqa: E731
-    # 1. a body that breaks GenerateRequest's schema: the contract gate, {"error": "<text>"}
-    for body in ({"input_ids": [5], "sampling_params": {"max_tokens": 3}},
-                 {"input_ids": [5], "sampling_params": {"temperature": "hot"}},
-                 {"input_ids": [5], "stream": "yes"}):
-        want, r = sg.generate(body), post("/generate", json=body)
-        assert sg.served == 0 and want.status_code == r.status_code == 400, (body, r.text)
-        assert set(r.json()) == set(want.content) == {"error"}, (want.content, r.text)
-        assert type(r.json()["error"]) is type(want.content["error"]) is str
-        assert want.content["error"] in r.json()["error"]  # SGLang's text, after the field's path
-    # 2. a body FastAPI cannot parse: SGLang's RequestValidationError handler, an ErrorResponse
-    for path, data, names in (("/generate", b"{not json", "not valid JSON"),
-                              ("/generate", b"[1, 2]", "must be a JSON object"),
-                              ("/init_weights_update_group", b"{}", "master_address")):
-        want = sg.invalid_body(path)
-        r = post(path, data=data, headers={"Content-Type": "application/json"})
-        got = r.json()
-        assert want.status_code == r.status_code == 400, (path, r.text)
-        assert set(got) == set(want.content), (want.content, got)
-        assert {k: got[k] for k in got if k != "message"} == \
-            {k: v for k, v in want.content.items() if k != "message"}, (want.content, got)
-        assert isinstance(got["message"], str) and names in got["message"], got
-    # 3. past the gate, a refusal (the context length): SGLang's ValueError answer, to the byte
-    for body in ({"input_ids": [5] * 128}, {"input_ids": [[5], [6]], "rid": ["a"]}):
-        r = post("/generate", json=body)
-        got = r.json()
-        assert isinstance(got.get("error"), dict) and isinstance(got["error"].get("message"), str), got
-        want = sg.generate(body, refusal=got["error"]["message"])
-        assert sg.served and (r.status_code, got) == (want.status_code, want.content)
 
 
 class WeightsByName:
@@ -512,7 +464,7 @@ def test_cpu_engine_checks_weights_as_the_release(engine, tiny_path):
             engine_checksum = hashlib.sha256(info.per_gpu_checksum.encode()).hexdigest()
             assert r.json()["per_engine_checksum"] == engine_checksum
             assert (skip is None) == any("mlp" in n for n in want)
-        bare = requests.get(engine + "/weights_checker", timeout=60)  # no body: the defaults
+        bare = requests.post(engine + "/weights_checker", timeout=60)  # no body: the defaults
         assert bare.json()["ranks"][0]["checksums"] == client.check_weights("checksum")[0]
         before = client.check_weights("checksum")[0]
         assert client.check_weights("reset_tensors") == {}

@@ -119,7 +119,7 @@ def test_the_cpu_engine_answers_spans_as_sglang_does(wv):
 
     res = GenResult(output_ids=[4, 5, 6], logprobs=[-1.0] * 3, finish_reason={"type": "length", "length": 3},
                     weight_version="9", text="abc")
-    g = Generate(reqs=[GenRequest(input_ids=[1, 2])], ids=["r"], return_logprob=[True], single=True)
+    g = Generate(reqs=[GenRequest(input_ids=[1, 2])], single=True, return_logprob=True)
     meta = answer(g, 0, res, 0.1, SimpleNamespace(decode=lambda ids: "x"))["meta_info"]
     req = Request()
     req.decode(3)

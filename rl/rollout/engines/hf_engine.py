@@ -134,15 +134,14 @@ class HFEngine:
     def _result(self, req: GenRequest, ids: list[int], logprobs: list[float],
                 reason: dict) -> GenResult:
         """The answer, with text as SGLang's detokenizer makes it: a matched stop token is
-        left out of the text, and the text ends before a matched stop string, unless
-        ``no_stop_trim``."""
+        left out of the text, and the text ends before a matched stop string."""
         matched = reason.get("matched")
-        text_ids = ids[:-1] if isinstance(matched, int) and not req.no_stop_trim else ids
+        text_ids = ids[:-1] if isinstance(matched, int) else ids
         text = self.tokenizer.decode(
             text_ids, skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens)
         if isinstance(matched, str) and (pos := text.find(matched)) != -1:
-            text = text[:pos + len(matched)] if req.no_stop_trim else text[:pos]
+            text = text[:pos]
         return GenResult(ids, logprobs, reason, self.weight_version, text)
 
     # -- weight updates (SGLang's init_weights_update_group, begin_weight_update,

@@ -1,28 +1,24 @@
-"""The CPU engine as an HTTP server speaking SGLang 0.5.23's protocol for what it serves.
+"""The CPU engine as an HTTP server: SGLang 0.5.23's routes, for what its users send.
 
     python -m rl.rollout.engines.hf_server --model-path DIR --port 30000
 
-Routes as in SGLang's ``srt/entrypoints/http_server.py``, with the same fields and answers:
-``/generate`` (see ``protocol``), ``/health``, ``/health_generate``, ``/model_info`` (and its
-deprecated alias ``/get_model_info``), ``/server_info`` (``/get_server_info``), ``/flush_cache``,
-``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
-``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``,
-``/destroy_weights_update_group``, ``/get_weights_by_name``, ``/weights_checker``. Bad input
-is a 400 naming the problem, never a crash, in the body SGLang's server gives that kind of
-input:
+Served, with SGLang's semantics (``srt/entrypoints/http_server.py``), the routes and fields
+that ``rl.rollout.client.EngineClient`` and SGLang's own frontend (``sglang.lang``'s
+``RuntimeEndpoint``) send: ``POST /generate`` (``protocol``), ``GET /health``,
+``/health_generate``, ``/model_info`` (and the alias ``/get_model_info`` the frontend asks),
+``/server_info``; ``POST /flush_cache``, ``/pause_generation``, ``/continue_generation``,
+``/init_weights_update_group``, ``/begin_weight_update``, ``/update_weights_from_distributed``,
+``/end_weight_update``, ``/destroy_weights_update_group``, ``/get_weights_by_name``,
+``/weights_checker``. Any other route is a 404 (the client reads a 404 as an older SGLang
+without the route), another method a 405.
 
-- a body that is not JSON, not an object, or (control routes) lacks a field or has one of
-  the wrong type: FastAPI refuses it before the route runs, and SGLang's
-  ``RequestValidationError`` handler answers an ``ErrorResponse``, ``{"object": "error",
-  "message": ..., "type": "Bad Request", "param": null, "code": 400}`` (``BodyError``);
-- a ``/generate`` body that breaks ``GenerateRequest``'s schema: the contract gate in
-  ``generate_request`` answers ``{"error": "<text>"}`` (``protocol.ContractError``);
-- a ``/generate`` (or ``/get_weights_by_name``) request refused past that: SGLang's
-  ``ValueError``, ``_create_error_response``: ``{"error": {"message": ...}}``
-  (``RequestError``);
-- a control call the engine refuses: ``{"success": false, "message": ...}``.
-
-Concurrent requests are queued and decoded together in batches.
+Bad input of any kind (not JSON, a field of the wrong type, missing or out of range, a
+field or query parameter the engine does not serve, a prompt too long) gets one answer:
+HTTP 400 with ``{"error": {"message": ...}}`` naming the problem. That is the body SGLang
+gives a ``/generate`` it refuses (``_create_error_response``), the one our client and
+SGLang's frontend read on every route. A control call the engine cannot carry out (no open
+session, an unknown group, a busy flush) answers SGLang's ``{"success": false, "message"}``
+with 400. Concurrent requests are queued and decoded together in batches.
 """
 
 from __future__ import annotations
@@ -42,22 +38,27 @@ import traceback
 import torch
 from aiohttp import web
 
-from rl.model import eos_token_ids, load_model, load_tokenizer
 from rl.log import block_triton
+from rl.model import eos_token_ids, load_model, load_tokenizer
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
-from rl.rollout.engines.protocol import ContractError, answer, parse_generate
-from rl.rollout.engines.sampling import RequestError, as_bool, as_int, as_list, as_str
+from rl.rollout.engines.protocol import answer, parse_generate
+from rl.rollout.engines.sampling import (REQUIRED, RequestError, as_bool, as_int, as_str, list_of,
+                                         read_fields)
 
 logger = logging.getLogger(__name__)
 
 # Both modes let the running batch finish and hold queued requests; they differ in what
 # /flush_cache counts as busy (SGLang: `is_fully_idle(ignore_waiting=paused)`, where
-# `retract` has moved every running request back to the waiting queue).
-PAUSE_MODES = {"retract", "in_place"}
-FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are "
-                 "still running or queued. Retract or finish them, then call /flush_cache.")
-FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running "
-           "or waiting requests, the operation will not be performed.)\n")
+# `retract` has moved every running request back to the waiting queue). SGLang's default,
+# `abort`, would fail the requests in flight: not served.
+PAUSE_MODES = ("retract", "in_place")
+
+WEIGHTS_UNSERVED = "Get parameter by name failed"
+"""SGLang's message for a ``/get_weights_by_name`` it cannot serve; ``rl.driver.weight_checks``
+tells an unserved route by it."""
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+"""SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` default: ``/health_generate`` answers 503 after it."""
 
 
 class BatchScheduler:
@@ -164,22 +165,6 @@ def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
-class BodyError(RequestError):
-    """The body cannot be parsed into the route's request type (FastAPI's
-    ``RequestValidationError`` on SGLang's server)."""
-
-
-def _error(status: int, message: str) -> web.Response:
-    """SGLang's ``_create_error_response``: a ``ValueError`` past the route's parsing."""
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _invalid_body(message: str) -> web.Response:
-    """SGLang's ``RequestValidationError`` handler: an ``ErrorResponse`` (``openai/protocol``)."""
-    return web.json_response({"object": "error", "message": message, "type": "Bad Request",
-                              "param": None, "code": 400}, status=400)
-
-
 def _outcome(success: bool, message: str) -> web.Response:
     """The ``{"success", "message"}`` answer of SGLang's control routes."""
     return web.json_response({"success": success, "message": message},
@@ -188,253 +173,179 @@ def _outcome(success: bool, message: str) -> web.Response:
 
 @web.middleware
 async def _errors(request: web.Request, handler):
-    """Bad input is a 400 that names the problem, in SGLang's body for its kind (see the
-    module's docstring); anything else is a 500 with its message, and the server keeps
-    serving."""
+    """Bad input is the one 400 (see the module's docstring); anything else a 500 with its
+    message, and the server keeps serving."""
     try:
+        if request.query_string:
+            raise RequestError(f"the CPU engine does not serve query parameters "
+                               f"({request.query_string})")
         return await handler(request)
-    except BodyError as e:
-        return _invalid_body(str(e))
-    except ContractError as e:
-        return web.json_response({"error": str(e)}, status=400)
     except RequestError as e:
-        return _error(400, str(e))
+        return web.json_response({"error": {"message": str(e)}}, status=400)
     except web.HTTPException:
         raise
     except Exception as e:
         traceback.print_exc()  # into the engine's log
-        return _error(500, f"{type(e).__name__}: {e}")
+        return web.json_response({"error": {"message": f"{type(e).__name__}: {e}"}}, status=500)
 
 
-async def _body(request: web.Request) -> dict:
-    """The JSON object the request carries. As on SGLang (FastAPI), a route that takes a
-    body refuses a request without one; ``{}`` is a body."""
+async def _json(request: web.Request):
+    """The request's JSON body; None when it has none."""
     raw = await request.read()
-    if not raw.strip():
-        raise BodyError("the request has no body; send a JSON object")
     try:
-        body = json.loads(raw)
+        return json.loads(raw) if raw.strip() else None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise BodyError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BodyError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
-_REQUIRED = object()
+async def _fields(request: web.Request, spec: dict[str, tuple]) -> dict:
+    """The request's JSON body read against ``spec`` (``sampling.read_fields``)."""
+    return read_fields("", await _json(request), spec)
 
 
-def _field(body: dict, name: str, check, default=_REQUIRED):
-    """A control route's field: missing or of the wrong type is a ``BodyError``, as
-    FastAPI's validation of the route's ``io_struct`` type."""
-    if body.get(name) is None:
-        if default is _REQUIRED:
-            raise BodyError(f"missing field `{name}`")
-        return default
-    try:
-        return check(name, body[name])
-    except RequestError as e:
-        raise BodyError(str(e)) from None
+_GROUP = (as_str, "weight_update_group")
+_INIT = {"master_address": (as_str, REQUIRED), "master_port": (as_int, REQUIRED),
+         "rank_offset": (as_int, REQUIRED), "world_size": (as_int, REQUIRED),
+         "group_name": _GROUP, "backend": (as_str, "gloo")}  # SGLang defaults to nccl
+_UPDATE = {"names": (list_of(as_str), REQUIRED), "dtypes": (list_of(as_str), REQUIRED),
+           "shapes": (list_of(list_of(as_int)), REQUIRED), "group_name": _GROUP,
+           "weight_version": (as_str, None), "flush_cache": (as_bool, True)}
+_CHECK = {"action": (as_str, "checksum"), "skip_tensor_list": (list_of(as_str), None),
+          "selector": (as_str, "all")}  # one target model, no draft: every selector reads it
 
 
-def _str_list(where, v):
-    return as_list(where, v, as_str)
+class Routes:
+    """One handler per route, over one engine and the scheduler that batches its requests."""
 
+    def __init__(self, engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> None:
+        self.engine, self.scheduler, self.model_path = engine, scheduler, model_path
+        self._probes: set[asyncio.Future] = set()  # /health_generate's, kept until they end
 
-def _shapes(where, v):
-    return as_list(where, v, lambda w, s: as_list(w, s, as_int))
+    def table(self) -> list[tuple[str, str, object]]:
+        return [("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
+                ("GET", "/model_info", self.model_info), ("GET", "/get_model_info", self.model_info),
+                ("GET", "/server_info", self.server_info), ("POST", "/flush_cache", self.flush_cache),
+                ("POST", "/pause_generation", self.pause), ("POST", "/continue_generation", self.resume),
+                ("POST", "/init_weights_update_group", self.init_group),
+                ("POST", "/begin_weight_update", self.begin),
+                ("POST", "/update_weights_from_distributed", self.update),
+                ("POST", "/end_weight_update", self.end),
+                ("POST", "/destroy_weights_update_group", self.destroy),
+                ("POST", "/get_weights_by_name", self.weights_by_name),
+                ("POST", "/weights_checker", self.check_weights), ("POST", "/generate", self.generate)]
 
+    @staticmethod
+    async def _run(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-WEIGHTS_UNSERVED = "Get parameter by name failed"
-"""SGLang's answer (HTTP 400) to a ``/get_weights_by_name`` its model cannot serve."""
-
-HEALTH_CHECK_TIMEOUT_S = 20.0
-"""SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` default: ``/health_generate`` answers 503 after it."""
-
-
-def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> web.Application:
-    tokenizer = engine.tokenizer
-    routes = web.RouteTableDef()
-    flushing = asyncio.Lock()
-    pending_probes: set[asyncio.Future] = set()
-
-    async def run_blocking(fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
-
-    async def control(fn, *args, ok: str, **kwargs) -> web.Response:
+    async def _control(self, fn, *args, ok: str) -> web.Response:
         """Run an engine call: success answers ``ok``; a refusal answers its message."""
         try:
-            await run_blocking(fn, *args, **kwargs)
+            await self._run(fn, *args)
         except Exception as e:  # SGLang answers every failure as {"success": false, ...}
             return _outcome(False, str(e))
         return _outcome(True, ok)
 
-    @routes.get("/health")
-    async def health(_):
+    async def health(self, _) -> web.Response:
         return web.Response(text="")
 
-    @routes.get("/health_generate")
-    async def health_generate(_):
+    async def health_generate(self, _) -> web.Response:
         """SGLang's health check: one greedy token is queued, and the answer is 200 as soon as
         the model finishes any batch (a busy engine passes at once), 503 after
         ``HEALTH_CHECK_TIMEOUT_S`` without one."""
-        before = scheduler.batches_done
-        probe = asyncio.ensure_future(scheduler.submit(
+        before = self.scheduler.batches_done
+        probe = asyncio.ensure_future(self.scheduler.submit(
             [GenRequest(input_ids=[0], max_new_tokens=1, temperature=0.0)]))
-        pending_probes.add(probe)  # kept until it ends, whenever the answer goes out
-        probe.add_done_callback(pending_probes.discard)
+        self._probes.add(probe)
+        probe.add_done_callback(self._probes.discard)
         deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT_S
-        while scheduler.batches_done == before and not probe.done():
+        while self.scheduler.batches_done == before and not probe.done():
             if time.monotonic() >= deadline:
                 return web.Response(status=503)
             await asyncio.sleep(0.05)
         return web.Response(text="")
 
-    def info() -> dict:
-        config = engine.model.config
-        return {"model_path": model_path, "served_model_name": model_path,
-                "tokenizer_path": model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": engine.weight_version,
-                "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
-                "disaggregation_mode": "null", "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": getattr(config, "model_type", None),
-                "architectures": getattr(config, "architectures", None)}
+    async def model_info(self, _) -> web.Response:
+        config = self.engine.model.config
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "is_generation": True, "weight_version": self.engine.weight_version,
+            "architectures": getattr(config, "architectures", None)})
 
-    @routes.get("/model_info")
-    @routes.get("/get_model_info")  # deprecated in SGLang; the same answer
-    async def model_info(_):
-        return web.json_response(info())
+    async def server_info(self, _) -> web.Response:
+        s = self.scheduler
+        return web.json_response({
+            "model_path": self.model_path, "context_length": self.engine.context_len,
+            "internal_states": [{
+                "paused": s.paused_mode is not None, "running_requests": s.running(),
+                "waiting_requests": s.waiting(), "requests_seen": s.requests_seen,
+                "weight_update_session": self.engine.session is not None}]})
 
-    def server_info() -> dict:
-        return {"model_path": model_path, "tokenizer_path": model_path,
-                "served_model_name": model_path, "context_length": engine.context_len,
-                "max_running_requests": scheduler.max_batch_size, "device": str(engine.device),
-                "engine": "hf-cpu", "internal_states": [{
-                    "paused": scheduler.paused_mode is not None,
-                    "weight_update_session": engine.session is not None,
-                    "running_requests": scheduler.running(), "waiting_requests": scheduler.waiting(),
-                    "requests_seen": scheduler.requests_seen}]}
-
-    @routes.get("/server_info")
-    @routes.get("/get_server_info")  # deprecated in SGLang; the same answer
-    async def get_server_info(_):
-        return web.json_response(server_info())
-
-    @routes.route("GET", "/flush_cache")
-    @routes.route("POST", "/flush_cache")
-    async def flush_cache(request):
+    async def flush_cache(self, request) -> web.Response:
         """Nothing to flush (no prefix cache), but refused exactly when SGLang would be:
-        while requests run or wait (see ``BatchScheduler.idle``); ``?timeout=`` waits."""
-        try:  # SGLang: ``timeout: float = Query(0.0, ge=0.0)``, checked by FastAPI
-            timeout_s = float(request.query.get("timeout", 0.0))
-        except ValueError:
-            raise BodyError("timeout: a number of seconds >= 0") from None
-        if not timeout_s >= 0:
-            raise BodyError("timeout: a number of seconds >= 0")
-        if flushing.locked():
-            return web.Response(text="Another flush_cache is already in progress.", status=400)
-        async with flushing:
-            deadline = time.monotonic() + timeout_s
-            while not scheduler.idle():
-                if time.monotonic() >= deadline:
-                    message = "Timed out waiting for idle state." if timeout_s else "Flush cache failed.\n"
-                    return web.Response(text=message, status=400)
-                await asyncio.sleep(0.02)
-        return web.Response(text=FLUSHED)
+        while requests run or wait (see ``BatchScheduler.idle``)."""
+        await _fields(request, {})
+        if not self.scheduler.idle():
+            return _outcome(False, "requests are running or queued: not flushed")
+        return _outcome(True, "Cache flushed.")
 
-    @routes.post("/pause_generation")
-    async def pause(request):
-        mode = _field(await _body(request), "mode", as_str, "abort")
-        if mode not in PAUSE_MODES | {"abort"}:  # SGLang's ``Literal`` of modes
-            raise BodyError(f"mode={mode!r}: one of 'abort', 'in_place', 'retract'")
-        if mode not in PAUSE_MODES:  # ``abort`` (SGLang's default) would fail requests: refused
-            raise RequestError(f"mode={mode!r}: this engine supports {sorted(PAUSE_MODES)}")
-        await run_blocking(scheduler.pause, mode)
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+    async def pause(self, request) -> web.Response:
+        mode = (await _fields(request, {"mode": (as_str, "abort")}))["mode"]
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode={mode!r}: the CPU engine serves {', '.join(PAUSE_MODES)}")
+        await self._run(self.scheduler.pause, mode)
+        return _outcome(True, "Generation paused.")
 
-    @routes.post("/continue_generation")
-    async def resume(request):
-        await _body(request)
-        scheduler.resume()
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+    async def resume(self, request) -> web.Response:
+        await _fields(request, {})
+        self.scheduler.resume()
+        return _outcome(True, "Generation continued.")
 
-    @routes.post("/init_weights_update_group")
-    async def init_group(request):
-        b = await _body(request)
-        args = (_field(b, "master_address", as_str), _field(b, "master_port", as_int),
-                _field(b, "rank_offset", as_int), _field(b, "world_size", as_int),
-                _field(b, "group_name", as_str, "weight_update_group"),
-                _field(b, "backend", as_str, "gloo"))  # SGLang defaults to nccl; CPU: gloo
-        return await control(engine.init_weights_update_group, *args,
-                             ok="Succeeded to initialize custom process group.")
+    async def init_group(self, request) -> web.Response:
+        f = await _fields(request, _INIT)
+        return await self._control(self.engine.init_weights_update_group, *f.values(),
+                                   ok="Succeeded to initialize custom process group.")
 
-    @routes.post("/begin_weight_update")
-    async def begin(request):
-        await _body(request)
-        return await control(engine.begin_weight_update, ok="Success")
+    async def begin(self, request) -> web.Response:
+        await _fields(request, {})
+        return await self._control(self.engine.begin_weight_update, ok="Success")
 
-    @routes.post("/end_weight_update")
-    async def end(request):
-        await _body(request)
-        return await control(engine.end_weight_update, ok="Success")
+    async def end(self, request) -> web.Response:
+        await _fields(request, {})
+        return await self._control(self.engine.end_weight_update, ok="Success")
 
-    @routes.post("/update_weights_from_distributed")
-    async def update(request):
-        b = await _body(request)
-        names, dtypes = _field(b, "names", _str_list), _field(b, "dtypes", _str_list)
-        shapes = _field(b, "shapes", _shapes)
-        group_name = _field(b, "group_name", as_str, "weight_update_group")
-        version = _field(b, "weight_version", as_str, None)
-        flush = _field(b, "flush_cache", as_bool, True)
-        if _field(b, "abort_all_requests", as_bool, False):
-            return _outcome(False, "abort_all_requests=true is not supported by the CPU engine")
-        if _field(b, "load_format", as_str, None) is not None:
-            return _outcome(False, f"load_format={b['load_format']!r} is not supported by the "
-                                   "CPU engine")
-        response = await control(engine.update_weights_from_distributed, names, dtypes, shapes,
-                                 group_name, version, ok="Succeeded to update parameter online.")
-        if response.status == 200 and flush and not scheduler.idle():
-            return _outcome(False, FLUSH_REFUSED)  # the weights stay loaded
+    async def update(self, request) -> web.Response:
+        f = await _fields(request, _UPDATE)
+        response = await self._control(
+            self.engine.update_weights_from_distributed, f["names"], f["dtypes"], f["shapes"],
+            f["group_name"], f["weight_version"], ok="Succeeded to update parameter online.")
+        if response.status == 200 and f["flush_cache"] and not self.scheduler.idle():
+            return _outcome(False, "Weights were updated, but the cache was not flushed: "
+                                   "requests are running or queued")  # the weights stay loaded
         return response
 
-    @routes.post("/destroy_weights_update_group")
-    async def destroy(request):
-        name = _field(await _body(request), "group_name", as_str, "weight_update_group")
-        return await control(engine.destroy_weights_update_group, name,
-                             ok="Succeeded to destroy custom process group.")
+    async def destroy(self, request) -> web.Response:
+        name = (await _fields(request, {"group_name": _GROUP}))["group_name"]
+        return await self._control(self.engine.destroy_weights_update_group, name,
+                                   ok="Succeeded to destroy custom process group.")
 
-    @routes.route("GET", "/get_weights_by_name")
-    @routes.route("POST", "/get_weights_by_name")
-    async def weights_by_name(request):
-        """SGLang's ``GetWeightsByNameReqInput`` (``name``, ``truncate_size`` rows, default
-        100); a name it cannot serve gets SGLang's one answer, whatever the reason (its
-        model logs the reason; so does this engine)."""
-        b = await _body(request)
-        name, size = _field(b, "name", as_str), _field(b, "truncate_size", as_int, 100)
+    async def weights_by_name(self, request) -> web.Response:
+        """The first ``truncate_size`` rows (default 100); a name the model lacks gets
+        SGLang's one answer (the reason goes to the log, as SGLang's)."""
+        f = await _fields(request, {"name": (as_str, REQUIRED), "truncate_size": (as_int, 100)})
         try:
-            values = await run_blocking(engine.get_weights_by_name, name, size)
+            values = await self._run(self.engine.get_weights_by_name, f["name"], f["truncate_size"])
         except ValueError as e:
-            logger.error("get_weights_by_name(%r): %s", name, e)
+            logger.error("get_weights_by_name(%r): %s", f["name"], e)
             raise RequestError(WEIGHTS_UNSERVED) from None
         return web.json_response(values)
 
-    @routes.route("GET", "/weights_checker")
-    @routes.route("POST", "/weights_checker")
-    async def weights_checker(request):
-        """SGLang's ``CheckWeightsReqInput`` (``action``, default ``checksum``;
-        ``skip_tensor_list``; ``selector``: this engine has no draft model; a request without
-        a body, or with ``null``, takes the defaults). A checksum
+    async def check_weights(self, request) -> web.Response:
+        """SGLang's ``/weights_checker`` (``checksum`` or ``reset_tensors``); a checksum
         answers SGLang's body: ``ranks`` (one entry per rank) and ``per_engine_checksum``."""
-        raw = (await request.read()).strip()
-        b = await _body(request) if raw and raw != b"null" else {}
-        action = _field(b, "action", as_str, "checksum")
-        skip = _field(b, "skip_tensor_list", _str_list, None)
-        _field(b, "allow_quant_error", as_bool, False)
-        if _field(b, "selector", as_str, "all") not in ("target", "draft", "all"):
-            raise BodyError(f"selector={b['selector']!r}: use target, draft or all")
+        f = await _fields(request, _CHECK)
         try:
-            info = await run_blocking(engine.check_weights, action, skip)
+            info = await self._run(self.engine.check_weights, f["action"], f["skip_tensor_list"])
         except ValueError as e:
             return _outcome(False, str(e))
         body = {"success": True, "message": "Success."}
@@ -443,19 +354,20 @@ def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> w
             body["per_engine_checksum"] = hashlib.sha256(info["per_gpu_checksum"].encode()).hexdigest()
         return web.json_response(body)
 
-    @routes.route("POST", "/generate")
-    @routes.route("PUT", "/generate")
-    async def generate(request):
+    async def generate(self, request) -> web.Response:
         t0 = time.perf_counter()
-        g = parse_generate(await _body(request), tokenizer, engine.vocab_size,
-                           engine.context_len)
-        results = await scheduler.submit(g.reqs)
+        engine = self.engine
+        g = parse_generate(await _json(request), engine.tokenizer, engine.vocab_size, engine.context_len)
+        results = await self.scheduler.submit(g.reqs)
         latency = time.perf_counter() - t0
-        answers = [answer(g, i, res, latency, tokenizer) for i, res in enumerate(results)]
+        answers = [answer(g, i, res, latency, engine.tokenizer) for i, res in enumerate(results)]
         return web.json_response(answers[0] if g.single else answers)
 
+
+def build_app(engine: HFEngine, scheduler: BatchScheduler, model_path: str) -> web.Application:
     app = web.Application(client_max_size=1 << 30, middlewares=[_errors])
-    app.add_routes(routes)
+    for method, path, handler in Routes(engine, scheduler, model_path).table():
+        app.router.add_route(method, path, handler)
     return app
 
 
