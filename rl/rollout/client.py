@@ -8,6 +8,7 @@ code drives engines only through it; ``rl.rollout.fanout`` spreads requests over
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
@@ -27,6 +28,26 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+def parse_body(text: str) -> Any:
+    """An answer's body: its JSON, else its text (SGLang answers some routes in plain text),
+    None when empty."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def error_message(body: Any) -> Any:
+    """The message of an error answer, in any of SGLang's shapes: ``{success, message}``,
+    ``{error: text}``, ``{error: {message}}``, ``{object: error, message, code}``, plain text."""
+    if not isinstance(body, dict):
+        return body
+    err = body.get("error")
+    return body.get("message") or (err.get("message") if isinstance(err, dict) else err) or body
 
 
 class EngineClient:
@@ -62,18 +83,10 @@ class EngineClient:
             raise EngineError(f"{self.name}{path}: no answer ({type(e).__name__}: {e})") from None
         if r.status_code == 404 and ok_404:
             return None
-        body: Any = None
-        if r.content:
-            try:
-                body = r.json()
-            except ValueError:
-                body = r.text
+        body = parse_body(r.text)
         if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
-            message = body
-            if isinstance(body, dict):  # SGLang's shapes: {success, message}, {error: text},
-                err = body.get("error")  # {error: {message}}, {object: error, message, code}
-                message = body.get("message") or (err.get("message") if isinstance(err, dict) else err)
-            raise EngineError(f"{self.name}{path}: HTTP {r.status_code}: {message}", r.status_code)
+            raise EngineError(f"{self.name}{path}: HTTP {r.status_code}: {error_message(body)}",
+                              r.status_code)
         return body
 
     def health(self, timeout_s: float = 30.0) -> bool:
@@ -234,9 +247,10 @@ class EngineClient:
         try:
             async with session.post(self.url + "/generate", json=payload,
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                body = await r.json(content_type=None)
+                body = parse_body(await r.text())
                 if r.status != 200:
-                    raise EngineError(f"{self.name}/generate: HTTP {r.status}: {body}", r.status)
+                    raise EngineError(f"{self.name}/generate: HTTP {r.status}: {error_message(body)}",
+                                      r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise EngineError(f"{self.name}/generate: no answer ({type(e).__name__}: {e})") from None
         n = payload.get("sampling_params", {}).get("n", 1)

@@ -51,7 +51,7 @@ def test_release_refuses_what_the_validation_refuses():
 # -- the CPU engine's routes and fields against the release's HTTP server ---------------------
 def test_cpu_engine_serves_only_routes_of_the_release():
     """Every route of the engine's app exists in the release's ``http_server`` and allows the
-    method the engine serves it with (HEAD, which both servers add to GET routes, aside)."""
+    method the engine serves it with."""
     from rl.rollout.engines.hf_server import build_app
 
     app = build_app(SimpleNamespace(tokenizer=None), None, "model")
@@ -118,6 +118,10 @@ def test_a_null_max_new_tokens_runs_to_the_context_length():
                           tokenizer, vocab_size=8, context_len=1000)
     default = parse_generate({"input_ids": [1] * 10}, tokenizer, vocab_size=8, context_len=1000)
     assert [r.max_new_tokens for r in null.reqs + default.reqs] == [989, 128]
+    longer = parse_generate({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": None,
+                                                                       "min_new_tokens": 200}},
+                            tokenizer, vocab_size=8, context_len=1000)  # no 128 bound on it
+    assert [(r.min_new_tokens, r.max_new_tokens) for r in longer.reqs] == [(200, 989)]
 
 
 # -- the names a push sends, against the release's Qwen2 loader ----------------------------------

@@ -17,8 +17,9 @@ field or query parameter the engine does not serve, a prompt too long) gets one 
 HTTP 400 with ``{"error": {"message": ...}}`` naming the problem. That is the body SGLang
 gives a ``/generate`` it refuses (``_create_error_response``), the one our client and
 SGLang's frontend read on every route. A control call the engine cannot carry out (no open
-session, an unknown group, a busy flush) answers SGLang's ``{"success": false, "message"}``
-with 400. Concurrent requests are queued and decoded together in batches.
+session, an unknown group) answers SGLang's ``{"success": false, "message"}`` with 400; a
+flush refused while requests run answers 400 in plain text, as SGLang's. Concurrent
+requests are queued and decoded together in batches.
 """
 
 from __future__ import annotations
@@ -198,9 +199,14 @@ async def _json(request: web.Request):
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
-async def _fields(request: web.Request, spec: dict[str, tuple]) -> dict:
-    """The request's JSON body read against ``spec`` (``sampling.read_fields``)."""
-    return read_fields("", await _json(request), spec)
+async def _fields(request: web.Request, spec: dict[str, tuple], optional: bool = False) -> dict:
+    """The request's JSON body read against ``spec`` (``sampling.read_fields``). As on SGLang,
+    whose control routes declare a required body (FastAPI refuses a request without one),
+    a missing body is refused unless the route's is ``optional``."""
+    body = await _json(request)
+    if body is None and not optional:
+        raise RequestError(f"{request.path} needs a JSON body (an object, {{}} for no fields)")
+    return read_fields("", body, spec)
 
 
 _GROUP = (as_str, "weight_update_group")
@@ -211,7 +217,7 @@ _UPDATE = {"names": (list_of(as_str), REQUIRED), "dtypes": (list_of(as_str), REQ
            "shapes": (list_of(list_of(as_int)), REQUIRED), "group_name": _GROUP,
            "weight_version": (as_str, None), "flush_cache": (as_bool, True)}
 _CHECK = {"action": (as_str, "checksum"), "skip_tensor_list": (list_of(as_str), None),
-          "selector": (as_str, "all")}  # one target model, no draft: every selector reads it
+          "selector": (as_str, "all")}  # one target model, no draft
 
 
 class Routes:
@@ -284,22 +290,22 @@ class Routes:
     async def flush_cache(self, request) -> web.Response:
         """Nothing to flush (no prefix cache), but refused exactly when SGLang would be:
         while requests run or wait (see ``BatchScheduler.idle``)."""
-        await _fields(request, {})
-        if not self.scheduler.idle():
-            return _outcome(False, "requests are running or queued: not flushed")
-        return _outcome(True, "Cache flushed.")
+        await _fields(request, {}, optional=True)  # SGLang's route takes no body
+        if not self.scheduler.idle():  # SGLang answers plain text here
+            return web.Response(text="Flush cache failed: requests are running or queued.\n", status=400)
+        return web.Response(text="Cache flushed.\n")
 
     async def pause(self, request) -> web.Response:
         mode = (await _fields(request, {"mode": (as_str, "abort")}))["mode"]
         if mode not in PAUSE_MODES:
             raise RequestError(f"mode={mode!r}: the CPU engine serves {', '.join(PAUSE_MODES)}")
         await self._run(self.scheduler.pause, mode)
-        return _outcome(True, "Generation paused.")
+        return web.json_response({"message": "Generation paused.", "status": "ok"})  # SGLang's shape
 
     async def resume(self, request) -> web.Response:
         await _fields(request, {})
         self.scheduler.resume()
-        return _outcome(True, "Generation continued.")
+        return web.json_response({"message": "Generation continued.", "status": "ok"})
 
     async def init_group(self, request) -> web.Response:
         f = await _fields(request, _INIT)
@@ -343,7 +349,10 @@ class Routes:
     async def check_weights(self, request) -> web.Response:
         """SGLang's ``/weights_checker`` (``checksum`` or ``reset_tensors``); a checksum
         answers SGLang's body: ``ranks`` (one entry per rank) and ``per_engine_checksum``."""
-        f = await _fields(request, _CHECK)
+        f = await _fields(request, _CHECK, optional=True)  # SGLang's body is optional here
+        if f["selector"] not in ("target", "all"):
+            raise RequestError(f"selector={f['selector']!r}: the CPU engine has no draft model; "
+                               "it serves target and all")
         try:
             info = await self._run(self.engine.check_weights, f["action"], f["skip_tensor_list"])
         except ValueError as e:

@@ -147,6 +147,7 @@ SERVED: dict[str, tuple] = {
 def parse_sampling_params(raw: Any) -> tuple[dict[str, Any], int]:
     """``(GenRequest keyword arguments, n)`` from one JSON ``sampling_params`` object."""
     p = read_fields("sampling_params", raw, SERVED)
+    to_context = isinstance(raw, dict) and "max_new_tokens" in raw and raw["max_new_tokens"] is None
     temperature, top_k = p.pop("temperature"), p.pop("top_k")
     if 0 <= temperature < _SAMPLING_EPS:  # SamplingParams.__post_init__
         temperature, top_k = 0.0, 1  # greedy
@@ -161,7 +162,9 @@ def parse_sampling_params(raw: Any) -> tuple[dict[str, Any], int]:
         (-2.0 <= p["frequency_penalty"] <= 2.0, "frequency_penalty", "in [-2, 2]"),
         (-2.0 <= p["presence_penalty"] <= 2.0, "presence_penalty", "in [-2, 2]"),
         (p["max_new_tokens"] >= 0, "max_new_tokens", "at least 0"),
-        (0 <= p["min_new_tokens"] <= p["max_new_tokens"], "min_new_tokens", "in [0, max_new_tokens]"),
+        # a null max_new_tokens (run to the context length) bounds nothing here, as on SGLang
+        (0 <= p["min_new_tokens"] and (to_context or p["min_new_tokens"] <= p["max_new_tokens"]),
+         "min_new_tokens", "in [0, max_new_tokens]"),
         (n >= 1, "n", "at least 1"),
         (len(p["stop"]) <= MAX_STOP_COUNT, "stop", f"at most {MAX_STOP_COUNT} strings"),
     ]
@@ -177,8 +180,8 @@ class BatchSampler:
     """Samples the next token of every row of one batch; holds the penalties' running state.
 
     Each step: ``tok_b, logp_b = sample(logits_bv)``, then ``record(tok_b)``. Work for a
-    feature is done only when some row uses it, so a batch of plain requests samples exactly
-    as before penalties existed.
+    feature is done only when some row uses it, so a batch of plain requests pays nothing for
+    the penalties.
     """
 
     def __init__(self, reqs: list[GenRequest], eos_ids: list[int], vocab_size: int,
