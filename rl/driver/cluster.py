@@ -18,15 +18,15 @@ from typing import Any
 import ray
 from ray._private.services import canonicalize_bootstrap_address
 
-from rl.backends import data_path, weight_path
+from rl.backends import data_path
 from rl.config import Config
-from rl.driver.learners import EngineUpdateFailed, LearnerGroup, learner_death
+from rl.driver.learners import LearnerGroup, learner_death
 from rl.driver.nodes import check_nodes, node_environments
 from rl.driver.placement import Placement, describe_placement
 from rl.driver.rollout import RolloutHandle
 from rl.driver.run import resume_hint
 from rl.driver.watchdog import Watchdog, ray_nodes_probe
-from rl.driver.weight_checks import ContentCheck, CoverageCheck, check_names
+from rl.driver.weights import WeightPusher
 from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK
 from rl.runtime import Runtime
 from rl.types import RolloutBatch
@@ -47,14 +47,11 @@ class Cluster:
         self.rollout: RolloutHandle | None = None
         self.learners: LearnerGroup | None = None
         self.store: Any = None  # the driver's own store client (for remove)
-        self.receivers: list = []
-        """Every engine as the weight path addresses it (updated when one is replaced)."""
+        self.weights: WeightPusher | None = None
         self.placement = Placement(cfg)
         self._started_ray = False
         self._stop_services = None
         self.watchdog = None  # set by __enter__: the entry points' runs watch their dependencies
-        self.content_check: ContentCheck | None = None  # set by start()
-        self.coverage_check: CoverageCheck | None = None  # set by start()
 
     # -- start -------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -88,73 +85,20 @@ class Cluster:
         urls = ray.get(engines_started)
         logger.info("engines up: %s", ", ".join(urls))
         self.learners.wait_set_up()
-        self.receivers = self.rollout.receivers()
-        plan = weight_path(cfg.weights).describe_plan(cfg.cluster.num_learners, self.receivers)
-        logger.info("%s plan: %s", cfg.weights.name, plan)
-        with open(os.path.join(self.runtime.output_dir, "weights_plan.txt"), "w") as f:
-            f.write(f"weights={cfg.weights.name}: {plan}\n")
-        # before the first push: names an engine's loader would drop are refused here
-        self.content_check = check_names(self.learners, self.receivers, cfg.model.dtype)
-        self.coverage_check = CoverageCheck() if cfg.weights.check_coverage else None
-        self.learners.connect_engines(self.receivers)
+        self.weights = WeightPusher(cfg, self.learners, self.rollout, self.runtime.output_dir)
         return self
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """The learners' weights to every engine, as ``version`` (``WeightPusher.push``)."""
+        return self.weights.push(version)
 
     def engine_clients(self) -> list:
         """Every engine as the weight path addresses it, as of the last sync."""
-        return list(self.receivers)
+        return list(self.weights.receivers)
 
     @property
     def engine_urls(self) -> list[str]:
-        return [r.url for r in self.receivers]
-
-    # -- weights -----------------------------------------------------------------------
-    def push_weights(self, version: int) -> dict[str, float]:
-        """The learners' weights to every engine, as ``version``. With fault tolerance the
-        rollout side replaces the engines found dead first (a new engine on the same bundle,
-        connected by the learners, given these weights, checked to serve ``version`` and only
-        then put back into service), and again after a push an engine died in, which is then
-        made again."""
-        if self.coverage_check is not None:  # the first push, twice (rl.driver.weight_checks)
-            check, self.coverage_check = self.coverage_check, None
-            metrics = check.run(lambda: self._push(version), self.engine_clients)
-        else:
-            metrics = self._push(version)
-        if self.content_check is not None:  # the first pushes are read back (rl.driver.weight_checks)
-            self.content_check.after_push(self.learners, self.engine_clients(), version)
-        return metrics
-
-    def _push(self, version: int) -> dict[str, float]:
-        ok = False
-        try:
-            plan = self.rollout.prepare_sync()  # replacing engines may fail: the sync still ends
-            restart_s = plan.restart_s
-            while True:
-                self.receivers = plan.receivers
-                try:
-                    if plan.replaced:  # their groups formed again: part of the replacement's time
-                        t0 = time.perf_counter()
-                        self.learners.reconnect_engines(plan.receivers, plan.replaced)
-                        restart_s += time.perf_counter() - t0
-                    metrics = self.learners.push_weights(version=version)
-                    ok = True
-                    break
-                except EngineUpdateFailed as e:
-                    plan = self.rollout.prepare_sync(unanswered=list(e.unanswered))
-                    if not plan.replaced:
-                        raise  # not an engine's death: the run's error
-                    restart_s += plan.restart_s
-                    logger.warning("the weight update to version %d failed (%s); %s replaced, "
-                                   "pushing again", version, e,
-                                   ", ".join(f"engine-{i}" for i in plan.replaced))
-        finally:
-            if ok:
-                self.rollout.end_sync(ok)
-            else:  # an error is on its way: ending the sync must not replace it
-                _reported("ending the weight sync", self.rollout.end_sync, ok)
-        if not self.cfg.rollout.fault_tolerance:
-            return metrics
-        return {**metrics, "rollout/engine_restarts": float(plan.restarts),
-                "rollout/engine_restart_s": restart_s}
+        return [r.url for r in self.weights.receivers] if self.weights else []
 
     # -- stop --------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 60) -> None:

@@ -104,7 +104,7 @@ class RolloutHandle:
         """Ask the manager to close; returns the ref to wait on (``Cluster.shutdown``)."""
         return [self.actor.close.remote()]
 
-    # the engines (rl.rollout.fleet): see Cluster.push_weights
+    # the engines (rl.rollout.fleet): see rl.driver.weights.WeightPusher
     def prepare_sync(self, unanswered: list[str] | None = None):
         """The engines to push to, dead ones replaced; ``unanswered`` after a failed push
         (``EngineFleet.prepare_sync``)."""

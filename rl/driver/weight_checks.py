@@ -8,14 +8,14 @@ leaves: an engine that accepts an update and keeps its old weights.
   (``model.named_parameters()``), against what each engine's loader loads, by the
   architecture the engine reports in ``/model_info`` (``rl.rollout.weight_names``).
 - **Content, after the first pushes of a run** (``ContentCheck``, from
-  ``Cluster.push_weights``): the leading rows of a few small parameters, read back from
+  ``WeightPusher.push``): the leading rows of a few small parameters, read back from
   every engine through ``/get_weights_by_name`` (SGLang's route; the CPU engine serves it
   the same way), must equal the learners' values cast to the dtype they were pushed in
   (``model.dtype``, the engines' own), value for value; else an error names the engine and
   the parameter. The first push of a fresh run sends what the engines already loaded from
   the checkpoint, so the second push, the first with trained weights, is checked too.
 
-- **Coverage, at the first push of a run** (``CoverageCheck``, from ``Cluster.push_weights``):
+- **Coverage, at the first push of a run** (``CoverageCheck``, from ``WeightPusher.push``):
   every tensor an engine holds is written by a push. Through SGLang's ``/weights_checker``,
   each engine fills its tensors with random values (``reset_tensors``), the learners push,
   each engine hashes every tensor (``checksum``); then again. A tensor the push writes hashes

@@ -8,7 +8,7 @@ An engine is ``live`` (takes requests), ``down`` (dead, not yet replaced) or ``j
 
 With ``rollout.fault_tolerance``, the requests themselves (``rl.rollout.fanout``) and a
 ``HealthMonitor`` (``rl.rollout.health``) take a dead engine out of service. A weight sync
-(``rl.driver.cluster.Cluster.push_weights``) is framed by two calls: ``prepare_sync``
+(``rl.driver.weights.WeightPusher.push``) is framed by two calls: ``prepare_sync``
 replaces the dead engines and says which are new, so the learners connect them before the
 push (and is asked again, with the engines a failed push got no answer from, to replace
 those); ``end_sync`` puts the replacements in service once the push reached them.

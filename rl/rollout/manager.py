@@ -153,7 +153,7 @@ class RolloutManager:
     def resume(self) -> None:
         self.fleet.resume()
 
-    # -- the engines (rl.rollout.fleet; weight syncs framed by rl.driver.cluster.Cluster.push_weights)
+    # -- the engines (rl.rollout.fleet; weight syncs framed by rl.driver.weights.WeightPusher)
     def prepare_sync(self, unanswered: list[str] | None = None) -> SyncPlan:
         return self.fleet.prepare_sync(unanswered)
 

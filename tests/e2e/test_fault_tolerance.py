@@ -176,7 +176,7 @@ def test_fully_async_survives_an_engine_killed_during_a_sync(prompts, tmp_path):
     # engine 1 may be left waiting in the broadcast engine 0's death cut short: replaced
     # too, and meanwhile no engine is in service (the stream's requests wait for the sync)
     assert rows[-1]["rollout/engine_restarts"] in (1, 2)
-    assert re.search(r"WARNING rl.driver.cluster: the weight update to version \d+ failed", out), out[-3000:]
+    assert re.search(r"WARNING rl.driver.weights: the weight update to version \d+ failed", out), out[-3000:]
     check_ledger(read_ledger(tmp_path), rows, out, max_staleness=1)
     assert_nothing_left(engine_ports(out) + re.findall(r"engine-0 \(http://[\d.]+:(\d+)\) started", out))
 

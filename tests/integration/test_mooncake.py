@@ -33,7 +33,7 @@ def test_train_py_with_an_external_master_leaves_no_key(tmp_path):
                      f"transfer.master_server_address={master.address}",
                      f"transfer.metadata_server={master.metadata_server}")
         assert "started a local master" not in proc.stdout
-        assert "rl.driver.cluster: p2p plan: learner 0 -> engine-0" in proc.stdout
+        assert "rl.driver.weights: p2p plan: learner 0 -> engine-0" in proc.stdout
         rows = read_metrics(tmp_path)
         assert [r["step"] for r in rows] == [0, 1, 2]
         for r in rows:

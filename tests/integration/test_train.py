@@ -31,7 +31,7 @@ def test_an_engine_that_fails_to_start_stops_the_run_and_the_learners_setting_up
     assert proc.returncode != 0
     failed = r"engine-\d exited with code \d+ while starting; last lines of .*engine_\d\.log"
     assert re.search(failed, out), out[-3000:]
-    assert not re.search(r"rl\.driver\.cluster: \w+ plan:", out)  # stopped before any weight plan
+    assert not re.search(r"rl\.driver\.weights: \w+ plan:", out)  # stopped before any weight plan
     assert_nothing_left([])  # no rank on the shared head
 
 
