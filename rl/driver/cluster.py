@@ -27,7 +27,7 @@ from rl.driver.rollout import RolloutHandle
 from rl.driver.run import resume_hint
 from rl.driver.watchdog import Watchdog, ray_nodes_probe
 from rl.driver.weights import WeightPusher
-from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK
+from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK, first_line
 from rl.runtime import Runtime
 from rl.types import RolloutBatch
 
@@ -108,7 +108,7 @@ class Cluster:
             return
         # The learners, the manager and the driver's store close at once: a Mooncake client's
         # close waits out threads that sleep 1 s between checks (1-2 s each), and three in a
-        # row added about 3 s to every Mooncake run.
+        # row would add about 3 s to every Mooncake run.
         closing = [(type(p).__name__, p.start_close()) for p in (self.learners, self.rollout)
                    if p is not None]
         if self.store is not None:
@@ -176,17 +176,15 @@ class Cluster:
             raise RuntimeError(f"the run stopped: {failure}") from exc
 
     def _watch(self):
-        """Probes of the Mooncake master, each engine server and the Ray nodes (rl.driver.watchdog)."""
+        """Probes of the Mooncake master, the engines (the rollout manager's word on them) and
+        the Ray nodes (rl.driver.watchdog)."""
         dog = Watchdog()
         master = self.runtime.transfer.get("master_server_address")
         if master:
             host, _, port = master.rpartition(":")
             dog.watch_port(f"the Mooncake store's master at {master}", host, int(port))
-        if self.cfg.rollout.fault_tolerance:  # the rollout manager watches them, and says
-            dog.watch("the rollout engines", self.rollout.failure_probe())  # when they cannot be replaced
-        else:
-            for i, url in enumerate(self.engine_urls):
-                dog.watch_url(f"engine-{i} ({url})", url)
+        # the rollout manager watches its engines, and says when the run cannot go on
+        dog.watch("the rollout engines", self.rollout.failure_probe())
         dog.watch("a Ray node", ray_nodes_probe())
         return dog.start()
 
@@ -201,11 +199,11 @@ def worker_env(cfg: Config) -> dict[str, str]:
 
 def _reported(what: str, fn, *args, **kwargs) -> None:
     """``fn(*args, **kwargs)``, logging what failed instead of raising: a shutdown keeps
-    stopping the rest."""
+    stopping the rest. One line: the run's own error, raised after, carries the details."""
     try:
         fn(*args, **kwargs)
     except Exception as e:
-        logger.warning("%s failed: %s", what, e)
+        logger.warning("%s failed: %s", what, first_line(e))
 
 
 def _starts_local_ray(address: str | None) -> bool:

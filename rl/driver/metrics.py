@@ -39,7 +39,7 @@ class MetricsLogger:
 
 def _init_wandb(cfg: Config, runtime: Runtime):
     try:
-        import wandb  # optional dependency: only logger=wandb needs it
+        import wandb  # start-up cost: only logger=wandb needs it (an install may also leave it out)
     except ImportError as e:
         raise ImportError("logger=wandb needs the wandb package: pip install wandb "
                           "(or use logger=console)") from e

@@ -20,6 +20,7 @@ from rl.config import Config, load
 from rl.learner.checkpoint import TRAINER_STATE, prune, read_trainer_state, step_dir, write_trainer_state
 from rl.model import largest_param_bytes, resolve_model_path
 from rl.runtime import Runtime
+from rl.tasks.build import check_task
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class CheckConfigFirst(Callback):
         with read_write(job), open_dict(job):
             del job["hydra"]
         try:
-            load(job)
+            check_task(load(job).task)
         except Exception as e:  # whatever load raises is the user's config error, reported
             raise SystemExit(f"{type(e).__name__}: {e}") from None  # Hydra's callbacks swallow Exception
 

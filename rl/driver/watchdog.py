@@ -3,8 +3,9 @@
 Without it a dead Mooncake master surfaces only when a client's RPC gives up (26.5 s,
 measured, as a ``put ... RPC_FAIL`` from the manager) and a dead node as whatever actor
 call happened to be waiting. A thread probes each dependency once a second: a TCP connect to
-the master and to every engine server (the kernel accepts even while the server is busy, so
-a refusal means the process is gone), and Ray's node table for the nodes alive at start. On
+the master (the kernel accepts even while the server is busy, so a refusal means the process
+is gone), the rollout manager's word on its engines (``EngineFleet.failure``), and Ray's
+node table for the nodes alive at start. On
 the first death it records what died and interrupts the main thread as Ctrl-C does, so the
 run unwinds through its ``finally`` blocks and ``Cluster.__exit__`` raises an error naming it.
 """
@@ -20,7 +21,7 @@ from typing import Callable, Optional
 import ray
 
 from rl.driver.nodes import describe_nodes
-from rl.probe import host_port, probe_port
+from rl.probe import probe_port
 
 logger = logging.getLogger(__name__)
 Probe = Callable[[], Optional[str]]
@@ -53,9 +54,6 @@ class Watchdog:
             return f"{why} for {self.misses} probes" if state["misses"] >= self.misses else None
 
         self.watch(name, probe)
-
-    def watch_url(self, name: str, url: str) -> None:
-        self.watch_port(name, *host_port(url))
 
     def check_now(self) -> Optional[str]:
         """Probe everything once; the first death found (or the one already recorded)."""

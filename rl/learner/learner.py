@@ -11,6 +11,7 @@ import datetime
 import math
 import os
 import time
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
 from transfer.net import free_port
+from transfer.weights.base import full_tensor
 
 
 
@@ -321,8 +323,6 @@ class Learner:
 
     def full_state(self) -> dict[str, np.ndarray] | None:
         """Every parameter as a whole numpy array (rank 0; a collective on all ranks)."""
-        from transfer.weights.base import full_tensor
-
         # A copy before numpy: a numpy view would pin FSDP's storage (on CPU with one rank the
         # full tensor is the parameter itself), and the next reshard could not free it.
         out = {n: full_tensor(p).to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}

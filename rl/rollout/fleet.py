@@ -29,7 +29,7 @@ from rl.config import Config
 from rl.log import first_line
 from rl.rollout.client import EngineClient, EngineError
 from rl.rollout.engines.launcher import EngineProcess
-from rl.rollout.health import HealthMonitor
+from rl.rollout.health import HealthMonitor, refused
 from rl.runtime import Runtime
 from transfer.process import log_tail
 
@@ -236,8 +236,12 @@ class EngineFleet:
 
     def failure(self) -> str | None:
         """Why the run cannot go on (the driver's watchdog asks once a second): more engines
-        dead than replacements left, or every engine dead outside a sync; else None."""
-        if self.monitor is None or self.engines.holding:
+        dead than replacements left, or every engine dead outside a sync; without fault
+        tolerance, any engine whose server is gone (its port refuses connections). Else None."""
+        if self.monitor is None:
+            gone = {i: why for i, c in enumerate(self.engines.clients) if (why := refused(c.url))}
+            return self.describe(gone) if gone else None
+        if self.engines.holding:
             return None
         rc, down = self.cfg.rollout, dict(self.engines.down_reason)
         if len(down) > rc.max_engine_restarts - self.restarts:

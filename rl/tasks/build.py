@@ -1,22 +1,21 @@
-"""Builds the task a ``task`` schema describes: ``build_task(cfg.task)``.
+"""Builds the task a ``task`` schema describes (``build_task(cfg.task)``) and checks what it
+needs of the file system first (``check_task``).
 
 ``BUILDERS`` maps each schema class of ``rl/config/task.py`` to the function that builds its
 task (a subclass of a registered schema gets its parent's builder unless it registers its
 own). A new task: its schema there, its builder and its entry here.
-
-Not re-exported by ``rl.tasks``: this module imports ``rl.config.task``, which imports
-``rl.tasks.jsonl`` (to check the file), which imports ``rl.tasks``; that would be a cycle.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Callable
 
 from rl.config.task import AdditionTaskConfig, JsonlTaskConfig, RepeatLetterTaskConfig, TaskConfig
 from rl.tasks import Task
 from rl.tasks.builtin import AdditionTask, RepeatLetterTask
-from rl.tasks.jsonl import JsonlTask
+from rl.tasks.jsonl import JsonlTask, read_rows
 
 
 def repeat_letter_task(cfg: RepeatLetterTaskConfig) -> RepeatLetterTask:
@@ -45,3 +44,26 @@ def build_task(cfg: TaskConfig) -> Task:
         raise ValueError(f"task={cfg.name!r} ({type(cfg).__name__}): no builder is registered "
                          f"for it in rl.tasks.build.BUILDERS; known: {known}")
     return builder(cfg)
+
+
+def check_task(cfg: TaskConfig) -> None:
+    """What the task needs outside its config, checked by the driver before anything starts
+    (``rl.driver.run.CheckConfigFirst``): a JSONL task's whole file is read, since a bad line
+    found by the rollout manager would surface only after Ray, the engines and the learners
+    started (about 25 s on a laptop), and its reward function is imported."""
+    if not isinstance(cfg, JsonlTaskConfig):
+        return
+    path = os.path.expanduser(cfg.path)
+    if not os.path.isfile(path):
+        raise ValueError(f"task.path={cfg.path!r} does not exist (a JSONL file of "
+                         '{"prompt": ..., "label": ...} lines)')
+    try:
+        read_rows(path)
+    except ValueError as e:
+        raise ValueError(f"task.path: {e}") from None
+    target = str(cfg.reward["_target_"])
+    module, _, fn = target.rpartition(".")
+    try:
+        getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"task.reward._target_={target!r} cannot be imported: {e}") from None

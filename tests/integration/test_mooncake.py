@@ -53,6 +53,10 @@ def test_train_py_with_a_local_master(tmp_path):
     m = re.search(r"started a local master \(pid (\d+)\) at ([\d.]+):(\d+)", proc.stdout)
     assert m, proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    # a healthy run says nothing at error level: no logger's ERROR, no glog E-line (Mooncake's)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if re.search(r"\d\d:\d\d:\d\d ERROR |(^|\s)E\d{4} \d\d:\d\d", line)]
+    assert errors == [], errors
     assert pids_with(f"-rpc_port={m.group(3)}") == []  # stopped with the run
     assert_nothing_left(engine_ports(proc.stdout))
 

@@ -1,7 +1,7 @@
 """With fault tolerance, a pool whose every engine is down fails the request naming each
 engine and how it ended; without it, the first engine's failure is raised as it is (no
 engine runs: nothing listens on their ports). Engines killed for real:
-tests/integration/test_fault_tolerance.py."""
+tests/e2e/test_fault_tolerance.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The import graph of ``rl/`` and ``transfer/``, read from the source with ``ast``: it has no
-cycle, and ``transfer/`` imports nothing from ``rl/`` (DESIGN.md, "Layers").
+cycle, and ``transfer/`` imports nothing from ``rl/`` (docs/architecture.md, "Layers").
 
 Every import statement counts, wherever it sits: at the top of a module, inside a function
 or a class, under ``if TYPE_CHECKING:``. An edge goes to the most specific module named

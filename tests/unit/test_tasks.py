@@ -96,3 +96,24 @@ def test_reward_kwargs_and_math():
     assert exact_match("x", "x") == 1.0
     assert math_answer("so the answer is 1,234.", "#### 1234") == 1.0
     assert math_answer("no number", "5") == 0.0
+
+
+def test_check_task_reads_the_file_and_imports_the_reward_before_anything_starts(tmp_path):
+    """The config holds values only; ``check_task`` (run by the driver before Ray starts)
+    finds a missing file, a bad line and a reward function that cannot be imported."""
+    from rl.config.task import JsonlTaskConfig, RepeatLetterTaskConfig
+    from rl.tasks.build import check_task
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a:", "label": "aaaa"}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a:"}\n')
+    check_task(JsonlTaskConfig(path=str(good)))
+    check_task(RepeatLetterTaskConfig())
+    for cfg, fragment in [
+        (JsonlTaskConfig(path=str(tmp_path / "none.jsonl")), "does not exist"),
+        (JsonlTaskConfig(path=str(bad)), "bad.jsonl:1: missing 'label'"),
+        (JsonlTaskConfig(path=str(good), reward={"_target_": "rl.tasks.rewards.nope"}), "cannot be imported"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            check_task(cfg)

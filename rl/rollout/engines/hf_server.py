@@ -39,7 +39,7 @@ import traceback
 import torch
 from aiohttp import web
 
-from rl.log import block_triton
+from rl.log import setup_worker_logging
 from rl.model import eos_token_ids, load_model, load_tokenizer
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.protocol import answer, parse_generate
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--weight-version", default="default")
     args = parser.parse_args(argv)
-    block_triton()
+    setup_worker_logging()  # the run's format and level (RL_LOG_LEVEL); no triton either
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(args.seed)
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = HFEngine(model, tokenizer, eos_token_ids(args.model_path, tokenizer), seed=args.seed,
                       weight_version=args.weight_version, device=args.device)
     scheduler = BatchScheduler(engine, args.max_batch_size, args.batch_wait_ms / 1e3)
-    print(f"hf engine: {args.model_path} on {args.host}:{args.port}", flush=True)
+    logger.info("serving %s on %s:%d", args.model_path, args.host, args.port)
     web.run_app(build_app(engine, scheduler, args.model_path), host=args.host, port=args.port,
                 print=None, access_log=None)
     gc.freeze()  # exit without collecting every torch object one by one: a second less per stop
