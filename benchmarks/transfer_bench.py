@@ -87,8 +87,7 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
 
     nbytes = {n: columns_nbytes(make_payload(n)) for n in args.sizes}
     segment = 4 * max(nbytes.values()) + (256 << 20)
-    cases = [(b, "-") if b == "ray" else (b, lay) for b in args.backends
-             for lay in (["-"] if b == "ray" else args.layouts)]
+    cases = [(b, lay) for b in args.backends for lay in layouts_of(b, args)]
     actors, ceilings = {}, ["python-socket"] + (["iperf3"] if args.iperf3_server else [])
     try:
         for backend, layout in cases:
@@ -252,6 +251,11 @@ def _stop(proc: subprocess.Popen | None) -> None:
             proc.wait()
 
 
+def layouts_of(backend: str, args) -> list[str]:
+    """Who lends the segment matters to Mooncake only; the Ray store has one layout, ``-``."""
+    return args.layouts if backend.startswith("mooncake") else ["-"]
+
+
 def _alive_nodes() -> int:
     import ray
 
@@ -264,7 +268,7 @@ def start_masters(host: str, args, log: str) -> dict:
 
     masters = {}
     try:
-        for case in (f"{b}/{lay}" for b in args.backends if b != "ray" for lay in args.layouts):
+        for case in (f"{b}/{lay}" for b in args.backends for lay in layouts_of(b, args) if lay != "-"):
             masters[case] = MooncakeMaster(host, log_path=f"{log}_{case.replace('/', '_')}.log").start()
     except BaseException:
         stop_masters(masters)

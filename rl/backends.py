@@ -2,11 +2,11 @@
 
 The schemas in ``rl.config.transfer`` and ``rl.config.weights`` are data. The backends in
 ``transfer/`` check, start and build themselves from plain values and import nothing from
-``rl`` (DESIGN.md, "Layers"): ``transfer.data.ray_store``, the ``transfer.data.mooncake``
+``rl`` (docs/architecture.md, "Layers"): ``transfer.data.ray_store``, the ``transfer.data.mooncake``
 package (``bootstrap`` on the driver, ``open_store`` in each process), and the senders in
 ``transfer.weights``. This module reads a config object and the run's ``Runtime``, and hands
 those backends the values. It sits on the ``rl`` side because it reads ``rl`` types, and it
-is one module so that the mapping stays in one place: configs start nothing (STYLE.md, 11)
+is one module so that the mapping stays in one place: configs start nothing
 and ``transfer`` never learns what an ``rl`` config is.
 
 ``DATA_PATHS`` and ``WEIGHT_PATHS`` map each schema class to its adapter, by class and not
@@ -76,7 +76,7 @@ class DataPath:
 
 class RayDataPath(DataPath):
     def build(self, runtime: Runtime, *, contribute_segment: bool = False) -> RolloutStore:
-        return RayStore()
+        return RayStore(self.cfg.codec)
 
 
 class MooncakeDataPath(DataPath):

@@ -15,6 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from rl.config.checks import parse_size
 from transfer.data.mooncake import CODECS
 from transfer.data.mooncake.client import PROTOCOLS, parse_init_kwargs
+from transfer.data.ray_store import CODECS as RAY_CODECS
 
 
 @dataclass(kw_only=True)
@@ -27,6 +28,13 @@ class TransferConfig:
 @dataclass(kw_only=True)
 class RayTransferConfig(TransferConfig):
     name: str = "ray"
+    codec: str = "pickle"
+    """``pickle`` (the column dict as Ray pickles it: one buffer per array) or ``packed`` (our
+    codec: one contiguous buffer, read zero-copy)."""
+
+    def __post_init__(self) -> None:
+        if self.codec not in RAY_CODECS:
+            raise ValueError(f"transfer.codec={self.codec!r}: transfer=ray takes {' or '.join(RAY_CODECS)}")
 
 
 @dataclass(kw_only=True)
@@ -85,6 +93,7 @@ both extend ``mooncake``)."""
 
 BACKENDS: dict[str, list[str]] = {
     "ray": ["transfer=ray"],
+    "ray-packed": ["transfer=ray", "transfer.codec=packed"],
     "mooncake-packed": ["transfer=mooncake_tcp"],
     "mooncake-bundle": ["transfer=mooncake_tcp", "transfer.codec=bundle"],
 }

@@ -1,5 +1,5 @@
 """The conformance suite (``tests/support/store_suite.py``) over every registered data backend
-(``rl.config.transfer.BACKENDS``: Ray, Mooncake packed, Mooncake bundle), each built from
+(``rl.config.transfer.BACKENDS``: Ray pickled and packed, Mooncake packed and bundle), each built from
 its config as ``train.py`` builds it, with a real ``mooncake_master``; then what is
 particular to Mooncake's two codecs.
 """
