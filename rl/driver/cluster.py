@@ -28,6 +28,7 @@ from rl.driver.run import resume_hint
 from rl.driver.watchdog import Watchdog, ray_nodes_probe
 from rl.driver.weights import WeightPusher
 from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK, first_line
+from rl.probe import probe_port
 from rl.runtime import Runtime
 from rl.types import RolloutBatch
 
@@ -106,27 +107,48 @@ class Cluster:
         ``timeout_s``: bound on each graceful close (short when something already died)."""
         if not ray.is_initialized():
             return
+        engines = self._engine_actors()
         # The learners, the manager and the driver's store close at once: a Mooncake client's
         # close waits out threads that sleep 1 s between checks (1-2 s each), and three in a
-        # row would add about 3 s to every Mooncake run.
+        # row would add about 3 s to every Mooncake run. With the Mooncake master gone (a
+        # Ctrl-C reaches it too) no client can close cleanly, and one closing may crash its
+        # process: the actors are killed without it.
+        master_gone = self._master_gone()
         closing = [(type(p).__name__, p.start_close()) for p in (self.learners, self.rollout)
-                   if p is not None]
-        if self.store is not None:
+                   if p is not None and not master_gone]
+        if self.store is not None and not master_gone:
             _reported(f"{type(self.store).__name__}.close", self.store.close)
         deadline = time.monotonic() + timeout_s
         for name, refs in closing:
             _reported(f"{name}.close", ray.get, refs, timeout=max(0.0, deadline - time.monotonic()))
-        if self.rollout is not None:
-            _reported("stopping the engines", self.rollout.stop_engines, min(30, timeout_s))
-        # the engines' actors die with the manager that owns them, their servers with them
-        for a in (self.learners.actors if self.learners else []) + \
+        _stop_engines(engines, timeout_s=min(30, timeout_s))
+        for a in engines + (self.learners.actors if self.learners else []) + \
                 ([self.rollout.actor] if self.rollout else []):
-            ray.kill(a)
+            ray.kill(a)  # an engine's server dies with its actor (PR_SET_PDEATHSIG)
         self.placement.release()
         if self._stop_services is not None:
             self._stop_services()
         if self._started_ray:
             ray.shutdown()
+
+    def _master_gone(self) -> bool:
+        master = self.runtime.transfer.get("master_server_address")
+        if not master:
+            return False
+        host, _, port = master.rpartition(":")
+        return probe_port(host, int(port))[0] == "refused"
+
+    def _engine_actors(self) -> list:
+        """The engines' actors, asked of the manager before it closes: the driver stops them
+        after the learners have left their weight-update groups. None when the manager is
+        gone or busy; its engines then die with it (it owns them)."""
+        if self.rollout is None:
+            return []
+        try:
+            return self.rollout.engine_actors(timeout_s=5)
+        except Exception as e:
+            logger.warning("could not reach the rollout manager for its engines: %s", first_line(e))
+            return []
 
     def __enter__(self) -> "Cluster":
         try:
@@ -195,6 +217,20 @@ def worker_env(cfg: Config) -> dict[str, str]:
             "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING"),  # Mooncake logs INFO by default
             "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
             LEVEL_ENV: cfg.log_level}
+
+
+def _stop_engines(engines: list, timeout_s: float) -> None:
+    """Stop each engine's server (its actor is killed after). An engine whose actor is already
+    gone (with the manager that owns it, e.g. one a Ctrl-C reached first) is stopped."""
+    refs = [e.stop.remote() for e in engines]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for i, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            pass
+        except Exception as e:
+            logger.warning("stopping engine-%d failed: %s", i, first_line(e))
 
 
 def _reported(what: str, fn, *args, **kwargs) -> None:

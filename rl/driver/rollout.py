@@ -120,8 +120,9 @@ class RolloutHandle:
     def engine_pids(self) -> list[int | None]:
         return self._ray.get(self.actor.engine_pids.remote())
 
-    def stop_engines(self, timeout_s: float) -> None:
-        self._ray.get(self.actor.stop_engines.remote(timeout_s), timeout=timeout_s + 5)
+    def engine_actors(self, timeout_s: float) -> list:
+        """The engines' actors (the manager owns them: they die with it)."""
+        return self._ray.get(self.actor.engine_actors.remote(), timeout=timeout_s)
 
     def failure_probe(self):
         """Watchdog probe: the manager's word on whether the engines can still be replaced

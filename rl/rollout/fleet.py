@@ -162,16 +162,6 @@ class EngineFleet:
         if self.monitor is not None:
             self.monitor.stop()
 
-    def stop(self, timeout_s: float = 30) -> None:
-        """Stop every engine's server, then its actor (a server killed with its actor:
-        PR_SET_PDEATHSIG)."""
-        self.stop_watching()
-        try:
-            ray.get([a.stop.remote() for a in self.actors], timeout=timeout_s)
-        finally:
-            for a in self.actors:
-                ray.kill(a)
-
     # -- generation pauses ----------------------------------------------------------------
     def pause(self, mode: str) -> None:
         """Every engine in service stops scheduling forward passes (requests in flight are

@@ -169,8 +169,8 @@ class RolloutManager:
     def engine_pids(self) -> list[int | None]:
         return self.fleet.pids()
 
-    def stop_engines(self, timeout_s: float = 30) -> None:
-        self.fleet.stop(timeout_s)
+    def engine_actors(self) -> list:
+        return list(self.fleet.actors)
 
     # -- fully async -------------------------------------------------------------------------
     def start_stream(self, first_step: int) -> None:
