@@ -110,9 +110,9 @@ class Cluster:
         engines = self._engine_actors()
         # The learners, the manager and the driver's store close at once: a Mooncake client's
         # close waits out threads that sleep 1 s between checks (1-2 s each), and three in a
-        # row would add about 3 s to every Mooncake run. With the Mooncake master gone (a
-        # Ctrl-C reaches it too) no client can close cleanly, and one closing may crash its
-        # process: the actors are killed without it.
+        # row would add about 3 s to every Mooncake run. With the Mooncake master gone
+        # (killed, or its node lost) no client can close cleanly, and one closing may crash
+        # its process: the actors are killed without it.
         master_gone = self._master_gone()
         closing = [(type(p).__name__, p.start_close()) for p in (self.learners, self.rollout)
                    if p is not None and not master_gone]
