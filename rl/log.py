@@ -4,8 +4,8 @@ Modules log through ``logging.getLogger(__name__)``; nothing is printed except t
 console line per training step (``rl.driver.metrics``). The driver calls ``setup_logging(cfg.log_level)``
 at start-up; Ray worker processes (rollout manager, learner ranks, engine actors) start with
 no handler, so ``Cluster`` passes the level in ``RL_LOG_LEVEL`` and names
-``setup_worker`` as Ray's ``worker_process_setup_hook`` (``WORKER_SETUP_HOOK``), which
-runs in each worker before any actor is built. Ray forwards a worker's stdout to the
+``setup_worker_logging`` as Ray's ``worker_process_setup_hook`` (``WORKER_SETUP_HOOK``),
+which runs in each worker before any actor is built. Ray forwards a worker's stdout to the
 driver's, prefixed with the actor's name and pid.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -22,7 +21,7 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
 LEVEL_ENV = "RL_LOG_LEVEL"
 """Carries the level from the driver to Ray worker processes."""
-WORKER_SETUP_HOOK = f"{__name__}.setup_worker"
+WORKER_SETUP_HOOK = f"{__name__}.setup_worker_logging"
 """Ray's ``runtime_env["worker_process_setup_hook"]`` for a run's workers."""
 
 
@@ -43,24 +42,9 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(level)
 
 
-def setup_worker() -> None:
-    """Ray's ``worker_process_setup_hook``: ``setup_logging`` at the driver's level, no
-    triton (``block_triton``), and SIGINT ignored.
-
-    A terminal's Ctrl-C goes to the whole foreground process group, Ray's workers included,
-    but stopping a run is the driver's job (``Cluster.shutdown``). Ignoring it here, before
-    any actor loads Mooncake, also keeps the signal away from the Go runtime inside
-    Mooncake's client: it respects an inherited ``SIG_IGN`` for SIGINT, whereas with a
-    handler in place it forwards the signal from its own thread and can crash the process
-    (SIGSEGV in ``runtime.sigfwd``). The processes the workers start (an engine's server)
-    inherit the ignore; the driver stops them itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    setup_worker_logging()
-
-
 def setup_worker_logging() -> None:
-    """``setup_logging`` at the driver's level (``RL_LOG_LEVEL``), and no triton
-    (``block_triton``): for a run's worker processes and the servers they start."""
+    """Ray's ``worker_process_setup_hook``: ``setup_logging`` at the driver's level, and no
+    triton (``block_triton``)."""
     block_triton()
     setup_logging(os.environ.get(LEVEL_ENV, "INFO"))
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 
 import pytest
 
-from rl.log import LEVEL_ENV, setup_logging, setup_worker, setup_worker_logging
+from rl.log import LEVEL_ENV, setup_logging, setup_worker_logging
 
 
 @pytest.fixture
@@ -49,12 +48,3 @@ def test_a_ray_worker_takes_the_level_from_the_environment(root, monkeypatch):
     monkeypatch.setenv(LEVEL_ENV, "ERROR")
     setup_worker_logging()
     assert root.level == logging.ERROR
-
-
-def test_a_ray_worker_ignores_the_terminals_ctrl_c(root, monkeypatch):
-    before = signal.getsignal(signal.SIGINT)
-    try:
-        setup_worker()
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, before)
