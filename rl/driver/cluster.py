@@ -108,19 +108,22 @@ class Cluster:
         if not ray.is_initialized():
             return
         engines = self._engine_actors()
-        # The learners, the manager and the driver's store close at once: a Mooncake client's
-        # close waits out threads that sleep 1 s between checks (1-2 s each), and three in a
-        # row would add about 3 s to every Mooncake run. With the Mooncake master gone
-        # (killed, or its node lost) no client can close cleanly, and one closing may crash
-        # its process: the actors are killed without it.
-        master_gone = self._master_gone()
-        closing = [(type(p).__name__, p.start_close()) for p in (self.learners, self.rollout)
-                   if p is not None and not master_gone]
-        if self.store is not None and not master_gone:
-            _reported(f"{type(self.store).__name__}.close", self.store.close)
-        deadline = time.monotonic() + timeout_s
-        for name, refs in closing:
-            _reported(f"{name}.close", ray.get, refs, timeout=max(0.0, deadline - time.monotonic()))
+        # The manager closes first, with the driver's store: it writes into the segments the
+        # learners lend, and a put still in flight when they unmount them crashes Mooncake's
+        # client (a Ctrl-C lands mid-step, and train_async.py generates ahead). The learners
+        # close after. A Mooncake client's close waits out threads that sleep 1 s between
+        # checks (1-2 s each), so the closes that may overlap do. With the Mooncake master
+        # gone (killed, or its node lost) no client can close cleanly, and one closing may
+        # crash its process: the actors are killed without it.
+        if not self._master_gone():
+            deadline = time.monotonic() + timeout_s
+            closing = self.rollout.start_close() if self.rollout else []
+            if self.store is not None:
+                _reported(f"{type(self.store).__name__}.close", self.store.close)
+            _reported("RolloutHandle.close", ray.get, closing, timeout=timeout_s)
+            if self.learners is not None:
+                _reported("LearnerGroup.close", ray.get, self.learners.start_close(),
+                          timeout=max(0.0, deadline - time.monotonic()))
         _stop_engines(engines, timeout_s=min(30, timeout_s))
         for a in engines + (self.learners.actors if self.learners else []) + \
                 ([self.rollout.actor] if self.rollout else []):

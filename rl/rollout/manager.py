@@ -48,6 +48,10 @@ class RolloutManager:
         self.store = data_path(cfg.transfer).build(runtime)
         self.next_sample_id = 0
         self._lock = threading.Lock()  # data position and sample ids (the stream thread draws too)
+        # held by a put in flight and by close(): a put that raced with the learners' closes
+        # would write into segments being unmounted (Mooncake's client crashes on it)
+        self._writing = threading.Lock()
+        self._closed = False
         self._stream: Stream | None = None
         self._shown_prompt = False
 
@@ -127,13 +131,16 @@ class RolloutManager:
 
     def _put_partitions(self, batch: RolloutBatch, parts: list[list[int]], step: int) -> list:
         refs = []
-        try:
-            for rank, idx in enumerate(parts):
-                key = f"{self.runtime.run_id}/step-{step:06d}/rank-{rank}"
-                refs.append(self.store.put(batch.select(idx).to_columns(), key=key))
-        except BaseException:
-            self.store.remove(refs)  # nothing half-written stays behind
-            raise
+        with self._writing:
+            if self._closed:
+                raise RuntimeError("the rollout manager is closed: the batch is not stored")
+            try:
+                for rank, idx in enumerate(parts):
+                    key = f"{self.runtime.run_id}/step-{step:06d}/rank-{rank}"
+                    refs.append(self.store.put(batch.select(idx).to_columns(), key=key))
+            except BaseException:
+                self.store.remove(refs)  # nothing half-written stays behind
+                raise
         return refs
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -193,8 +200,12 @@ class RolloutManager:
         return stream.stop() if stream is not None else []
 
     def close(self) -> None:
+        """Stop watching and streaming, then close the store client once no put is in flight
+        (``Cluster.shutdown`` closes the learners, whose segments the puts write to, after)."""
         try:
             self.fleet.stop_watching()
             self.stop_stream()
         finally:
-            self.store.close()
+            with self._writing:
+                self._closed = True
+                self.store.close()
