@@ -95,7 +95,7 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
             # the driver's side of train.py: check the environment, resolve the master
             services, stop = data_path(transfer).start_services(
                 Runtime("bench", "/tmp/transfer_bench", "/unused"), num_nodes=num_nodes,
-                bytes_per_step=max(nbytes.values()))
+                partition_bytes=max(nbytes.values()))
             assert stop is None, "the benchmark starts the master itself"
             runtime = Runtime("bench", "/tmp/transfer_bench", "/unused", transfer=services)
             lend_prod = layout == "producer-lends"
@@ -103,7 +103,9 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
                 transfer, runtime, lend_prod, args.calls, args.sizes)
             cons = ray.remote(Consumer).options(**place_b).remote(
                 transfer, runtime, layout == "training", args.calls)
-            actors[(backend, layout)] = (prod, cons)
+            # the manager puts a rank's partition near it (its segment), as in train.py
+            near = ray.get(cons.location.remote()) if layout == "training" else None
+            actors[(backend, layout)] = (prod, cons, near)
             ray.get([prod.ready.remote(), cons.ready.remote()])
         socket_pair = actors[cases[0]]
         samples = {c: {"put": [], "get": [], "sum": [], "put_calls": [], "get_calls": []}
@@ -126,9 +128,9 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
                     elif case == "iperf3":
                         v = iperf3(args.iperf3_server)
                     else:
-                        prod, cons = actors[case]
+                        prod, cons, near = actors[case]
                         ref, put_ms, want, put_calls = ray.get(
-                            prod.put.remote(n, f"bench/{case[0]}/{case[1]}/{n}/{i}"))
+                            prod.put.remote(n, f"bench/{case[0]}/{case[1]}/{n}/{i}", near))
                         get_ms, get_calls = ray.get(cons.get.remote(ref, want))
                         ray.get(prod.remove.remote(ref))
                         del ref
@@ -181,7 +183,7 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
 
 def ratio(rows: list[dict], r: dict) -> tuple[float | None, float | None]:
     """(Ray's PUT+GET / this PUT+GET, this throughput / iperf3's) for a row."""
-    ray_row = next((x for x in rows if x["backend"] == "ray" and x["n"] == r["n"]), None)
+    ray_row = next((x for x in rows if x["backend"] == "ray-pickle" and x["n"] == r["n"]), None)
     ip = next((x for x in rows if x["backend"] == "iperf3" and x["n"] == r["n"]), None)
     speed = ray_row["sum_ms"] / r["sum_ms"] if ray_row else None
     link = (r["mb"] / r["sum_ms"]) / (ip["mb"] / ip["sum_ms"]) if ip else None

@@ -17,9 +17,9 @@ and benchmarks run is another list, ``rl.config.transfer.BACKENDS`` (labels -> o
 A rollout-data path, in call order (driver first, then every process that moves data)::
 
     path = data_path(cfg.transfer)
-    path.check_environment(num_nodes, bytes_per_step, batches_held)  # driver, before its own Ray
+    path.check_environment(num_nodes, partition_bytes, batches_held)  # driver, before its own Ray
     path.check_node_env(node, env, num_nodes)     # driver, per node: its values of path.node_env
-    services, stop = path.start_services(runtime, num_nodes, bytes_per_step, batches_held)
+    services, stop = path.start_services(runtime, num_nodes, partition_bytes, batches_held)
     store = path.build(runtime, contribute_segment=...)   # runtime.transfer = services
 
 A weight path: ``weight_path(cfg.weights).describe_plan(...)`` on the driver,
@@ -52,7 +52,7 @@ class DataPath:
     def __init__(self, cfg: TransferConfig) -> None:
         self.cfg = cfg
 
-    def check_environment(self, num_nodes: int, bytes_per_step: int, batches_held: int = 1) -> None:
+    def check_environment(self, num_nodes: int, partition_bytes: int, batches_held: int = 1) -> None:
         """Driver side, before a run's own one-node Ray starts: refuse an environment the
         backend cannot work in, in seconds. ``start_services`` still runs after."""
 
@@ -60,7 +60,7 @@ class DataPath:
         """Driver side, before any worker starts: refuse what ``node`` exports (``env``: its
         values of ``node_env``) if the backend cannot work with it."""
 
-    def start_services(self, runtime: Runtime, num_nodes: int, bytes_per_step: int,
+    def start_services(self, runtime: Runtime, num_nodes: int, partition_bytes: int,
                        batches_held: int = 1) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
         """Driver side, before any worker starts: check, then start what the backend needs.
         ``batches_held``: rollout batches the store holds at once (1 for train.py, more when
@@ -70,7 +70,7 @@ class DataPath:
 
     def build(self, runtime: Runtime, *, contribute_segment: bool = False) -> RolloutStore:
         """A store client for this process; ``contribute_segment``: it lends memory to the
-        store (learner local rank 0 only)."""
+        store (every learner rank: its partitions are put there)."""
         raise NotImplementedError
 
 
@@ -90,17 +90,17 @@ class MooncakeDataPath(DataPath):
                     protocol=c.protocol, device_name=c.device_name,
                     global_segment_size=c.global_segment_size, replica_num=c.replica_num)
 
-    def check_environment(self, num_nodes: int, bytes_per_step: int, batches_held: int = 1) -> None:
-        bootstrap.preflight(num_nodes=num_nodes, bytes_per_step=bytes_per_step,
+    def check_environment(self, num_nodes: int, partition_bytes: int, batches_held: int = 1) -> None:
+        bootstrap.preflight(num_nodes=num_nodes, partition_bytes=partition_bytes,
                             batches_held=batches_held, **self._checked())
 
     def check_node_env(self, node: str, env: Mapping[str, str], num_nodes: int) -> None:
         bootstrap.check_node_env(node, env, local_hostname=self.cfg.local_hostname, num_nodes=num_nodes)
 
-    def start_services(self, runtime: Runtime, num_nodes: int, bytes_per_step: int,
+    def start_services(self, runtime: Runtime, num_nodes: int, partition_bytes: int,
                        batches_held: int = 1) -> tuple[dict[str, str], Optional[Callable[[], None]]]:
         return bootstrap.start_services(
-            log_dir=runtime.log_dir, num_nodes=num_nodes, bytes_per_step=bytes_per_step,
+            log_dir=runtime.log_dir, num_nodes=num_nodes, partition_bytes=partition_bytes,
             batches_held=batches_held, metadata_server=self.cfg.metadata_server,
             master_start_timeout_s=self.cfg.master_start_timeout_s, **self._checked())
 

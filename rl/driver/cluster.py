@@ -61,7 +61,7 @@ class Cluster:
         env = worker_env(cfg)
         if not ray.is_initialized():
             if _starts_local_ray(cfg.cluster.address):  # a one-node Ray of our own: check first
-                data.check_environment(1, estimate_step_bytes(cfg), self.batches_held)
+                data.check_environment(1, estimate_partition_bytes(cfg), self.batches_held)
             ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
                      include_dashboard=False,  # the hook sets logging up in every worker (rl.log)
                      runtime_env={"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK},
@@ -73,7 +73,7 @@ class Cluster:
             for node, node_env in node_environments(data.node_env).items():
                 data.check_node_env(node, node_env, num_nodes)
         services, self._stop_services = data.start_services(
-            self.runtime, num_nodes, estimate_step_bytes(cfg), self.batches_held)
+            self.runtime, num_nodes, estimate_partition_bytes(cfg), self.batches_held)
         self.runtime = dataclasses.replace(self.runtime, transfer=services)
         logger.info("placement: %s", describe_placement(cfg))
         self.placement.reserve()
@@ -85,7 +85,7 @@ class Cluster:
         self.learners = LearnerGroup(cfg, self.runtime, self.placement.learners)
         urls = ray.get(engines_started)
         logger.info("engines up: %s", ", ".join(urls))
-        self.learners.wait_set_up()
+        self.rollout.set_readers(self.learners.wait_set_up())
         self.weights = WeightPusher(cfg, self.learners, self.rollout, self.runtime.output_dir)
         return self
 
@@ -254,7 +254,9 @@ def _starts_local_ray(address: str | None) -> bool:
         return False
 
 
-def estimate_step_bytes(cfg: Config) -> int:
-    """Upper bound of one step's rollout batch in a store, for capacity checks."""
-    return RolloutBatch.estimate_nbytes(cfg.rollout.batch_size, cfg.rollout.max_prompt_tokens,
+def estimate_partition_bytes(cfg: Config) -> int:
+    """Upper bound of one learner rank's partition of a step in a store (equal sample counts
+    per rank), for the capacity check of the segment each rank lends."""
+    per_rank = -(-cfg.rollout.batch_size // cfg.cluster.num_learners)
+    return RolloutBatch.estimate_nbytes(per_rank, cfg.rollout.max_prompt_tokens,
                                         cfg.rollout.max_new_tokens)

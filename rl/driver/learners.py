@@ -48,11 +48,13 @@ class LearnerGroup:
         self.where: list[tuple[int, str]] = [(0, "?")] * n
         """(pid, node IP) of each rank, to name a dead one (known after ``wait_set_up``)."""
 
-    def wait_set_up(self) -> None:
+    def wait_set_up(self) -> list[str | None]:
+        """Wait for every rank's setup; returns each rank's store ``location`` (where its
+        partitions are put)."""
         self.where = self._ray.get(self._where)
         logger.info("learner ranks: %s", ", ".join(f"{r} (pid {pid} on {node})"
                                                    for r, (pid, node) in enumerate(self.where)))
-        self._gather(self._setting_up)
+        return self._gather(self._setting_up)
 
     def _all(self, method: str, *args, timeout: float | None = None) -> list:
         return self._gather([a.call.remote(method, *args) for a in self.actors], timeout)
@@ -148,11 +150,11 @@ class LearnerGroup:
         return refs
 
 
-def _set_up(learner, rendezvous: tuple[str, int]) -> None:
+def _set_up(learner, rendezvous: tuple[str, int]) -> str | None:
     """One rank's setup, run in its actor (``LearnerGroup``); the store client is open before
-    the first put."""
+    the first put. Returns the client's ``location``."""
     learner.setup(*rendezvous)
-    learner.connect_store()
+    return learner.connect_store()
 
 
 class LearnerDied(RuntimeError):

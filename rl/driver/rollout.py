@@ -35,6 +35,10 @@ class RolloutHandle:
         """Start the engines; returns a ref to their URLs (``ray.get`` it)."""
         return self.actor.start_engines.remote()
 
+    def set_readers(self, locations: list) -> None:
+        """Where each learner rank reads (``RolloutManager.set_readers``)."""
+        self._ray.get(self.actor.set_readers.remote(locations))
+
     def generate(self, step: int):
         return self._ray.get(self.actor.generate.remote(step))
 

@@ -94,10 +94,12 @@ class Learner:
         self.store = None
         self._weight_sync = None
 
-    def connect_store(self) -> None:
-        """Open this rank's store client; local rank 0 of each node lends the node's segment."""
-        self.store = data_path(self.cfg.transfer).build(self.runtime,
-                                                        contribute_segment=self.local_rank == 0)
+    def connect_store(self) -> str | None:
+        """Open this rank's store client, which lends a segment of its own (Mooncake): the
+        manager puts this rank's partitions there, and the rank reads them with a local
+        copy. Returns the client's ``location`` for the manager."""
+        self.store = data_path(self.cfg.transfer).build(self.runtime, contribute_segment=True)
+        return self.store.location
 
     @property
     def weight_sync(self):

@@ -46,6 +46,8 @@ class RolloutManager:
         self.fleet = EngineFleet(cfg, runtime, engine_placement, engine_env)
         self.pool: EnginePool | None = None
         self.store = data_path(cfg.transfer).build(runtime)
+        self.readers: list[str | None] = [None] * cfg.cluster.num_learners
+        """Each learner rank's store ``location``: its partitions are put there."""
         self.next_sample_id = 0
         self._lock = threading.Lock()  # data position and sample ids (the stream thread draws too)
         # held by a put in flight and by close(): a put that raced with the learners' closes
@@ -54,6 +56,14 @@ class RolloutManager:
         self._closed = False
         self._stream: Stream | None = None
         self._shown_prompt = False
+
+    def set_readers(self, locations: list[str | None]) -> None:
+        """Each learner rank's store ``location`` (the driver sends them once the ranks are
+        set up, before the first step)."""
+        ranks = self.cfg.cluster.num_learners
+        if len(locations) != ranks:
+            raise ValueError(f"{len(locations)} reader locations for {ranks} learner ranks")
+        self.readers = list(locations)
 
     def start_engines(self) -> list[str]:
         """Start the engines; returns their URLs once each answers."""
@@ -137,7 +147,8 @@ class RolloutManager:
             try:
                 for rank, idx in enumerate(parts):
                     key = f"{self.runtime.run_id}/step-{step:06d}/rank-{rank}"
-                    refs.append(self.store.put(batch.select(idx).to_columns(), key=key))
+                    refs.append(self.store.put(batch.select(idx).to_columns(), key=key,
+                                               near=self.readers[rank]))
             except BaseException:
                 self.store.remove(refs)  # nothing half-written stays behind
                 raise

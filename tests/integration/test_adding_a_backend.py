@@ -56,9 +56,10 @@ class MemoryStore:
 
         self._ray = ray
         self.shelf = ray.get_actor(shelf_name)
+        self.location = None  # one shelf: nothing to place
         self.get_timings_ms: dict[str, float] = {}
 
-    def put(self, columns: Columns, *, key: str) -> StoreRef:
+    def put(self, columns: Columns, *, key: str, near: str | None = None) -> StoreRef:
         manifest, payload = codec.encode(columns)
         self._ray.get(self.shelf.put.remote(key, manifest, payload.tobytes()))
         return StoreRef(key=key, backend=self.backend, nbytes=int(payload.nbytes),
@@ -106,7 +107,7 @@ class MemoryTransferConfig(TransferConfig):
 class MemoryDataPath(DataPath):
     cfg: MemoryTransferConfig
 
-    def start_services(self, runtime, num_nodes, bytes_per_step, batches_held=1):
+    def start_services(self, runtime, num_nodes, partition_bytes, batches_held=1):
         return start_shelf(f"{self.cfg.shelf_prefix}-{runtime.run_id}")
 
     def build(self, runtime, *, contribute_segment=False):

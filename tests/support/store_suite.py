@@ -103,7 +103,7 @@ def registered_case(label: str, runtime_dir: str, ray) -> Iterator[StoreCase]:
 @contextmanager
 def open_case(label: str, transfer, runtime_dir: str, ray,
               probe: Optional[Callable[[dict, StoreRef], bool]],
-              bytes_per_step: int = 64 << 20) -> Iterator[StoreCase]:
+              partition_bytes: int = 64 << 20) -> Iterator[StoreCase]:
     """Start ``transfer``'s services, open the stores of a step, and close everything after."""
     import dataclasses
 
@@ -111,7 +111,7 @@ def open_case(label: str, transfer, runtime_dir: str, ray,
 
     runtime = Runtime(f"conf-{label}", runtime_dir, "/unused")
     path = data_path(transfer)
-    services, stop = path.start_services(runtime, num_nodes=1, bytes_per_step=bytes_per_step)
+    services, stop = path.start_services(runtime, num_nodes=1, partition_bytes=partition_bytes)
     runtime = dataclasses.replace(runtime, transfer=services)
     holder = producer = consumer = None
     try:

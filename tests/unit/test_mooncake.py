@@ -18,7 +18,7 @@ def test_loopback_hostname_with_several_nodes_is_refused(tmp_path):
     cfg = compose("transfer=mooncake_tcp", "transfer.local_hostname=127.0.0.1")
     runtime = Runtime("t", str(tmp_path), "/nonexistent")
     with pytest.raises(ValueError, match="a loopback address, but the Ray cluster has 2 nodes"):
-        data_path(cfg.transfer).start_services(runtime, num_nodes=2, bytes_per_step=1 << 20)
+        data_path(cfg.transfer).start_services(runtime, num_nodes=2, partition_bytes=1 << 20)
 
 
 def test_capacity_check_counts_every_batch_held_at_once(tmp_path):
@@ -27,9 +27,9 @@ def test_capacity_check_counts_every_batch_held_at_once(tmp_path):
         cfg = compose("transfer=mooncake_tcp", "transfer.global_segment_size=16mb",
                       f"transfer.master_server_address=127.0.0.1:{listening.getsockname()[1]}")
         runtime = Runtime("t", str(tmp_path), "/x")
-        data_path(cfg.transfer).start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=1)
+        data_path(cfg.transfer).start_services(runtime, num_nodes=1, partition_bytes=8 << 20, batches_held=1)
     with pytest.raises(ValueError, match=r"3 rollout batches held at once .* need about 25165824 bytes"):
-        data_path(cfg.transfer).start_services(runtime, num_nodes=1, bytes_per_step=8 << 20, batches_held=3)
+        data_path(cfg.transfer).start_services(runtime, num_nodes=1, partition_bytes=8 << 20, batches_held=3)
 
 
 def test_no_master_on_several_nodes_says_what_to_start(tmp_path, monkeypatch):
@@ -37,7 +37,7 @@ def test_no_master_on_several_nodes_says_what_to_start(tmp_path, monkeypatch):
     cfg = compose("transfer=mooncake_tcp")
     with pytest.raises(ValueError, match="python -m transfer.data.mooncake.master"):
         data_path(cfg.transfer).start_services(Runtime("t", str(tmp_path), "/x"), num_nodes=2,
-                                               bytes_per_step=1 << 20)
+                                               partition_bytes=1 << 20)
 
 
 @pytest.mark.parametrize("message,fragment", [

@@ -2,13 +2,15 @@
 
 Call order, per step::
 
-    ref = store.put(columns, key="run/step-3/rank-0")   # producer (rollout manager)
+    ref = store.put(columns, key="run/step-3/rank-0", near=reader_location)  # producer
     columns = store.get(ref)                             # consumer (learner rank), any process
     store.remove([ref])                                  # anyone, once consumed; idempotent
     store.close()                                        # each process, at exit
 
 Only the ``StoreRef`` (a few hundred bytes) travels through the control plane (Ray calls);
-the payload goes through the store (the data plane).
+the payload goes through the store (the data plane). ``near`` is where the reader reads
+fastest, its client's ``location`` (Mooncake: the reader's own segment, read with a local
+copy); ``None``, or a store that cannot place data (Ray), puts where the store chooses.
 
 A column dict maps a field name to one of:
 
@@ -56,12 +58,16 @@ class RolloutStore(Protocol):
 
     backend: str
     """Name written into every ``StoreRef`` (``ray``, ``mooncake``)."""
+    location: str | None
+    """Where data put ``near`` this client is read without the network (Mooncake: the name
+    of the segment it lends), or None."""
     get_timings_ms: dict[str, float]
     """Consumer-side timings of this process's last ``get`` beyond its wall time (e.g.
     ``decode_ms``); empty when the backend has nothing to report apart from the get itself."""
 
-    def put(self, columns: Columns, *, key: str) -> StoreRef:
-        """Store ``columns`` under ``key``; return a ref once the data is readable."""
+    def put(self, columns: Columns, *, key: str, near: str | None = None) -> StoreRef:
+        """Store ``columns`` under ``key``, placed at ``near`` (a reader's ``location``) when
+        the store can place data; return a ref once the data is readable."""
         ...
 
     def get(self, ref: StoreRef) -> Columns:

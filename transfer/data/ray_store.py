@@ -2,13 +2,14 @@
 
 ``transfer.codec`` chooses what is stored, independently of the transport:
 
-* ``pickle``: the column dict as it is, with ``ray.put`` (pickle protocol 5: one
-  out-of-band buffer per numpy array, so a batch of N samples is thousands of small
-  buffers). This is what a trainer that hands Ray its dict gets.
-* ``packed``: our codec (``transfer.data.codec``): every field copied once into one
-  contiguous uint8 buffer, stored with its manifest; ``ray.get`` maps that one buffer
+* ``packed`` (the default): our codec (``transfer.data.codec``): every field copied once into
+  one contiguous uint8 buffer, stored with its manifest; ``ray.get`` maps that one buffer
   zero-copy from the node's shared memory (a remote node pulls it over TCP), and ``decode``
   rebuilds the columns as views into it.
+* ``pickle``: the column dict as it is, with ``ray.put`` (pickle protocol 5: one
+  out-of-band buffer per numpy array, so a batch of N samples is thousands of small
+  buffers). This is what a trainer that hands Ray its dict gets, and 1.65-3.8x slower
+  (docs/benchmarks.md, "The codec apart from the transport").
 
 The ObjectRef is wrapped inside the ``StoreRef`` so that Ray does not resolve it when the
 ref is passed as an argument of an actor call.
@@ -33,22 +34,25 @@ import ray
 from transfer.data import codec as packing
 from transfer.data.base import Columns, RemovedError, StoreRef, columns_nbytes
 
-CODECS = ("pickle", "packed")
+CODECS = ("packed", "pickle")
 """What ``transfer.codec`` may name for this store."""
 
 
 class RayStore:
-    def __init__(self, codec: str = "pickle") -> None:
+    def __init__(self, codec: str = "packed") -> None:
         if codec not in CODECS:
             raise ValueError(f"transfer.codec={codec!r}: the Ray store takes {' or '.join(CODECS)}")
         if not ray.is_initialized():
             raise RuntimeError("transfer=ray needs a running Ray (call ray.init first)")
         self._ray = ray
         self.codec = codec
-        self.backend = "ray" if codec == "pickle" else "ray-packed"
+        self.backend = f"ray-{codec}"
+        self.location = None
         self.get_timings_ms: dict[str, float] = {}
 
-    def put(self, columns: Columns, *, key: str) -> StoreRef:
+    def put(self, columns: Columns, *, key: str, near: str | None = None) -> StoreRef:
+        """``near`` is ignored: the object stays on the producer's node (Ray has no call that
+        places it), and a reader on another node pulls it."""
         t0 = time.perf_counter()
         encode_ms = 0.0
         if self.codec == "packed":

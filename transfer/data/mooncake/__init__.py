@@ -2,8 +2,9 @@
 
 * ``client``: what every store shares (settings and their checks, the connection, errors);
   it knows no codec.
-* ``packed`` (``MooncakeStore``, ours) and ``bundle`` (``MooncakeBundleStore``, Mooncake's
-  own ``MooncakeBundleTransfer``, the reference): the two codecs, subclasses of the client.
+* ``packed`` (``MooncakeStore``, ours; ``MooncakePickleStore``, the pickled dict over the same
+  path) and ``bundle`` (``MooncakeBundleStore``, Mooncake's own ``MooncakeBundleTransfer``,
+  the reference): the codecs, subclasses of the client.
 * ``bootstrap``: the driver's checks and services before any worker starts, and each
   client's settings from plain values.
 * ``master``: start and stop a ``mooncake_master``; by hand with
@@ -19,12 +20,13 @@ from transfer.data.base import RolloutStore
 from transfer.data.mooncake.bundle import MooncakeBundleStore
 from transfer.data.mooncake.client import (MooncakeClient, MooncakeSettings, StoreError,
                                            StoreRemovedError)
-from transfer.data.mooncake.packed import MooncakeStore
+from transfer.data.mooncake.packed import MooncakePickleStore, MooncakeStore
 
-__all__ = ["CODECS", "MooncakeBundleStore", "MooncakeClient", "MooncakeSettings", "MooncakeStore",
-           "StoreError", "StoreRemovedError", "open_store"]
+__all__ = ["CODECS", "MooncakeBundleStore", "MooncakeClient", "MooncakeSettings", "MooncakePickleStore",
+           "MooncakeStore", "StoreError", "StoreRemovedError", "open_store"]
 
-CODECS: dict[str, type[MooncakeClient]] = {"packed": MooncakeStore, "bundle": MooncakeBundleStore}
+CODECS: dict[str, type[MooncakeClient]] = {"packed": MooncakeStore, "pickle": MooncakePickleStore,
+                                           "bundle": MooncakeBundleStore}
 """``transfer.codec`` -> the store class that implements it."""
 
 

@@ -69,7 +69,7 @@ def resolve_hostname(local_hostname: Optional[str], default: str) -> str:
     return local_hostname or os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or default
 
 
-def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches_held: int,
+def start_services(*, log_dir: str, num_nodes: int, partition_bytes: int, batches_held: int,
                    master_server_address: Optional[str], metadata_server: Optional[str],
                    local_hostname: Optional[str], protocol: Optional[str],
                    device_name: Optional[str], global_segment_size: int, replica_num: int,
@@ -78,7 +78,7 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
     """Check the environment and capacity, then find or start the master. Returns the
     resolved addresses (``master_server_address``, ``metadata_server``, and for a local
     master ``admin_url`` and ``master_pid``) and a stop function (None for an external one)."""
-    preflight(num_nodes=num_nodes, bytes_per_step=bytes_per_step, batches_held=batches_held,
+    preflight(num_nodes=num_nodes, partition_bytes=partition_bytes, batches_held=batches_held,
               master_server_address=master_server_address, local_hostname=local_hostname,
               protocol=protocol, device_name=device_name, global_segment_size=global_segment_size,
               replica_num=replica_num)
@@ -101,7 +101,7 @@ def start_services(*, log_dir: str, num_nodes: int, bytes_per_step: int, batches
             "admin_url": m.admin_url, "master_pid": str(m.proc.pid)}, m.stop
 
 
-def preflight(*, num_nodes: int, bytes_per_step: int, batches_held: int,
+def preflight(*, num_nodes: int, partition_bytes: int, batches_held: int,
               master_server_address: Optional[str], local_hostname: Optional[str],
               protocol: Optional[str], device_name: Optional[str], global_segment_size: int,
               replica_num: int) -> None:
@@ -110,7 +110,7 @@ def preflight(*, num_nodes: int, bytes_per_step: int, batches_held: int,
     import_mooncake()  # a missing or wrong wheel is reported here, before workers start
     check_environment(num_nodes=num_nodes, local_hostname=local_hostname, protocol=protocol,
                       device_name=device_name)
-    check_capacity(global_segment_size=global_segment_size, bytes_per_step=bytes_per_step,
+    check_capacity(global_segment_size=global_segment_size, partition_bytes=partition_bytes,
                    batches_held=batches_held, replica_num=replica_num)
     master = master_server_address or os.environ.get("MOONCAKE_MASTER")
     if master:
@@ -154,17 +154,19 @@ def check_node_env(node: str, env: Mapping[str, str], *, local_hostname: Optiona
                                  where=f"MOONCAKE_LOCAL_HOSTNAME on node {node}")
 
 
-def check_capacity(*, global_segment_size: int, bytes_per_step: int, batches_held: int,
+def check_capacity(*, global_segment_size: int, partition_bytes: int, batches_held: int,
                    replica_num: int) -> None:
-    """The segments must hold every batch kept at once, in every replica (a full store
-    fails a put mid-run, after minutes of work)."""
-    need = bytes_per_step * batches_held * replica_num
+    """Each learner rank's segment must hold its partition of every batch kept at once, and
+    with replicas the other ranks' copies as well (a full store fails a put mid-run, after
+    minutes of work). ``partition_bytes``: an upper bound of one rank's partition of a step."""
+    need = partition_bytes * batches_held * replica_num
     if global_segment_size < need:
-        held = "one step's rollout batch" if batches_held == 1 else \
-            f"{batches_held} rollout batches held at once (generation runs ahead)"
+        held = "one step's partition" if batches_held == 1 else \
+            f"the partitions of {batches_held} rollout batches held at once (generation runs ahead)"
         raise ValueError(f"transfer.global_segment_size={global_segment_size} bytes is too "
-                         f"small: {held} need about {need} bytes ({replica_num} "
-                         f"replica(s)); set transfer.global_segment_size={human_size(need * 2)} or more")
+                         f"small: each learner rank lends one segment, and {held} need about "
+                         f"{need} bytes ({replica_num} replica(s)); set "
+                         f"transfer.global_segment_size={human_size(need * 2)} or more")
 
 
 def client_settings(services: Mapping[str, str], *, default_hostname: str,

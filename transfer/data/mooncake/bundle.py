@@ -35,13 +35,13 @@ class MooncakeBundleStore(MooncakeClient):
                                              default_chunk_bytes=settings.chunk_bytes)
         self._export_ref = export_dataproto_ref
 
-    def put(self, columns: Columns, *, key: str) -> StoreRef:
+    def put(self, columns: Columns, *, key: str, near: str | None = None) -> StoreRef:
         t0 = time.perf_counter()
         try:
             # bundle partitions allow no '/'; our keys use it as the namespace separator
             ref = self.bundle.put(dict(columns), type="dict", namespace="rl",
                                   partition=re.sub(r"[^A-Za-z0-9_.-]", "_", key),
-                                  config=self.replicate)
+                                  config=self.replicate_near(near))
         except ValueError as e:
             hint = (" (the bundle API needs one row per sample in every column; codec=packed "
                     "has no such limit)") if "batch size" in str(e) else ""

@@ -78,6 +78,9 @@ def import_mooncake():
     # Mooncake logs at INFO by default (several lines per client); keep warnings and errors
     # unless the user asks for more. Read when the library loads.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    # Its TCP transport opens a connection per transfer request unless pooled (read when the
+    # transfer engine starts); a user's own value wins. Measured in docs/benchmarks.md.
+    os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "1")
     try:  # optional dependency
         from mooncake import store
     except ImportError as e:
@@ -191,10 +194,21 @@ class MooncakeClient:
             raise StoreError(f"Mooncake client setup failed (code {rc}) with master "
                              f"{settings.master_server_address}, metadata {settings.metadata_server}, "
                              f"protocol {settings.protocol!r}, device {settings.device_name!r}")
-        self.replicate = store.ReplicateConfig()
-        self.replicate.replica_num = settings.replica_num
+        self._replicate_config = store.ReplicateConfig
+        # the segment this client lends is named by its host and transfer port ("ip:port")
+        self.location = self.client.get_hostname() if settings.global_segment_size else None
         self.get_timings_ms: dict[str, float] = {}
         self.closed = False
+
+    def replicate_near(self, near: str | None):
+        """The put's ``ReplicateConfig``: ``replica_num`` copies, the first in segment ``near``
+        (a reader's ``location``) when given, so that reader copies it locally instead of
+        pulling it over the network or loopback TCP."""
+        config = self._replicate_config()
+        config.replica_num = self.settings.replica_num
+        if near:
+            config.preferred_segment = near
+        return config
 
     def _check_ref(self, ref) -> None:
         if ref.backend != self.backend:

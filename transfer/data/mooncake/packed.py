@@ -1,15 +1,17 @@
 """``transfer=mooncake_tcp`` / ``mooncake_rdma`` with ``transfer.codec=packed`` (the default):
-our codec over Mooncake Store.
+our codec over Mooncake Store; ``transfer.codec=pickle`` moves the pickled column dict the
+same way (``MooncakePickleStore``), to measure the codec apart from the transport.
 
 The column dict is laid out by ``transfer.data.codec`` straight into a registered staging
-buffer (the only copy), written in ``chunk_bytes`` chunks with one ``batch_put_from``,
-then the JSON manifest is written **last**, so a reader never sees a half batch. ``get``
-reads the manifest (carried in the ref, else from the store), pulls every chunk with one
-``batch_get_into`` into a registered receive buffer and returns zero-copy views of it. The
-receive buffer goes back to the pool when the last view is garbage-collected.
+buffer (the only copy) and written in ``chunk_bytes`` chunks with one ``batch_put_from``:
+the put is that one batch, nothing else. The small JSON manifest travels in the
+``StoreRef``, not through the store. ``get`` pulls every chunk with one ``batch_get_into``
+into a registered receive buffer and returns zero-copy views of it; the buffer goes back to
+the pool when the last view is garbage-collected.
 
 Guards for known Mooncake behaviour (measured on 0.3.13.post1):
-a second put to an existing key keeps the old value (keys are checked to be new first);
+a second put to an existing key keeps the old value (every put writes under a fresh random
+suffix of its key, so no key is written twice and none has to be checked first);
 ``put(key, ndarray)`` stores ``len`` not ``nbytes`` bytes (we only ``put_from`` byte
 ranges); ``remove`` fails inside the lease TTL (we pass ``force=True``); data lives in the
 segment of the client that mounted it and vanishes when that client closes.
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
+import pickle
+import secrets
 import threading
 import time
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -91,57 +94,56 @@ class MooncakeStore(MooncakeClient):
         self.staging = _BufferPool(self.client)
         self.receive = _BufferPool(self.client)
 
-    # -- put ---------------------------------------------------------------------------
-    def put(self, columns: Columns, *, key: str) -> StoreRef:
-        t0 = time.perf_counter()
+    # -- the codec: how columns become bytes and back ----------------------------------
+    def _layout(self, columns: Columns) -> tuple[dict, Callable[[np.ndarray], None]]:
+        """The manifest (``nbytes`` at least) and a function that writes the payload into a
+        uint8 array of that size."""
         plan = codec.plan(columns)
-        n = plan.nbytes
-        chunk = self.settings.chunk_bytes
-        chunk_keys = [f"{key}/{i}" for i in range((n + chunk - 1) // chunk)]
-        manifest_key = f"{key}/manifest"
-        plan.manifest["chunk_bytes"] = chunk
-        manifest = plan.manifest_bytes()
-        # a put to an existing key keeps the old value: refuse instead of serving stale data
-        exists = self.client.batch_is_exist(chunk_keys + [manifest_key])
-        if any(e == 1 for e in exists):
-            raise StoreError(f"Mooncake store already holds keys under {key!r}; keys must be new "
-                             "(a second put would keep the old value)")
-        mat = codec.align(n)  # the manifest follows the payload in the staging buffer
-        buf = self.staging.acquire(mat + len(manifest))
+        return plan.manifest, functools.partial(codec.write, plan)
+
+    def _decode(self, manifest: dict, payload) -> Columns:
+        return codec.decode(manifest, payload)
+
+    # -- put ---------------------------------------------------------------------------
+    def put(self, columns: Columns, *, key: str, near: str | None = None) -> StoreRef:
+        t0 = time.perf_counter()
+        manifest, write = self._layout(columns)
+        n, chunk = manifest["nbytes"], self.settings.chunk_bytes
+        manifest["chunk_bytes"] = chunk
+        # Unique per put: a put to an existing key keeps the old value, and checking first
+        # costs a round trip to the master on every put.
+        prefix = f"{key}/{secrets.token_hex(6)}"
+        chunk_keys = [f"{prefix}/{i}" for i in range((n + chunk - 1) // chunk)]
+        buf = self.staging.acquire(max(n, 1))
         written: list[str] = []
         try:
-            codec.write(plan, buf.array[:n])
-            buf.array[mat:mat + len(manifest)] = np.frombuffer(manifest, np.uint8)
+            write(buf.array[:n])
             t1 = time.perf_counter()
             if chunk_keys:
                 ptrs = [buf.ptr + i * chunk for i in range(len(chunk_keys))]
                 sizes = [min(chunk, n - i * chunk) for i in range(len(chunk_keys))]
-                rcs = self.client.batch_put_from(chunk_keys, ptrs, sizes, self.replicate)
+                rcs = self.client.batch_put_from(chunk_keys, ptrs, sizes, self.replicate_near(near))
                 written = [k for k, rc in zip(chunk_keys, rcs) if rc == 0]
                 bad = [rc for rc in rcs if rc != 0]
                 if bad:
                     raise self._fail(f"put of {key!r} ({len(bad)} of {len(rcs)} chunks)", bad[0])
-            rc = self.client.put_from(manifest_key, buf.ptr + mat, len(manifest), self.replicate)
-            if rc != 0:
-                raise self._fail(f"put of manifest {manifest_key!r}", rc)
-            written.append(manifest_key)
             t2 = time.perf_counter()
         except BaseException:
             self._remove_keys(written, strict=False)  # no half batch stays behind
             raise
         finally:
             self.staging.release(buf)
-        # The ref carries a copy of the (small) manifest: a reader skips one store round trip.
+        # The (small) manifest travels in the ref, never through the store: a reader holds it
+        # before it reads, and the put is one batch of chunk writes.
         return StoreRef(key=key, backend=self.backend, nbytes=n,
-                        handle={"keys": written, "manifest": plan.manifest},
+                        handle={"keys": written, "manifest": manifest},
                         timings_ms={"encode_ms": (t1 - t0) * 1e3, "put_ms": (t2 - t0) * 1e3})
 
     # -- get ---------------------------------------------------------------------------
     def get(self, ref: StoreRef) -> Columns:
         self._check_ref(ref)
-        manifest = ref.handle.get("manifest") or self._read_manifest(ref.key)
+        manifest, keys = ref.handle["manifest"], ref.handle["keys"]
         n, chunk = manifest["nbytes"], manifest["chunk_bytes"]
-        keys = [f"{ref.key}/{i}" for i in range((n + chunk - 1) // chunk)]
         buf = self.receive.acquire(max(n, 1))
         release = functools.partial(self.receive.release, buf)  # then a once-only finalizer
         try:
@@ -161,20 +163,12 @@ class MooncakeStore(MooncakeClient):
             # runs at most once: a failed decode below must not release the buffer twice
             # (it would then sit twice in the pool and serve two gets at once)
             release = weakref.finalize(exporter, self.receive.release, buf)
-            columns = codec.decode(manifest, exporter)
+            columns = self._decode(manifest, exporter)
             self.get_timings_ms = {"decode_ms": (time.perf_counter() - t0) * 1e3}
             return columns
         except BaseException:
             release()
             raise
-
-    def _read_manifest(self, key: str) -> dict:
-        raw = self.client.get(f"{key}/manifest")
-        if not raw:
-            raise StoreRemovedError(f"Mooncake store (master {self.settings.master_server_address}) "
-                                    f"has no {key + '/manifest'!r}: removed already, or the learner "
-                                    "holding its segment closed")
-        return json.loads(raw)
 
     # -- remove / close ----------------------------------------------------------------
     def remove(self, refs: Sequence[StoreRef]) -> None:
@@ -186,3 +180,25 @@ class MooncakeStore(MooncakeClient):
     def _release(self) -> None:
         self.staging.close()
         self.receive.close()
+
+
+class MooncakePickleStore(MooncakeStore):
+    """``transfer.codec=pickle``: the column dict pickled (protocol 5, arrays in-band) and moved
+    like the packed payload, so the codec can be compared apart from the transport. Reading
+    copies every array out of the receive buffer (``pickle.loads``), which then goes back to
+    the pool at once. Unpickling runs code from the store: a measurement baseline, not a
+    default."""
+
+    backend = "mooncake-pickle"
+    codec = "pickle"
+
+    def _layout(self, columns: Columns) -> tuple[dict, Callable[[np.ndarray], None]]:
+        blob = pickle.dumps(columns, protocol=5)
+
+        def write(dst: np.ndarray) -> None:
+            dst[:] = np.frombuffer(blob, dtype=np.uint8)
+
+        return {"nbytes": len(blob)}, write
+
+    def _decode(self, manifest: dict, payload) -> Columns:
+        return pickle.loads(memoryview(payload)[:manifest["nbytes"]])
