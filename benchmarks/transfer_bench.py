@@ -172,7 +172,7 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
                     print(f"  {r['backend']:32s} N={n:5d} {mb:6.1f} MB  {r['gbps']:.2f} GB/s "
                           f"({r['sum_ms']:.1f} ms for the payload's bytes)", flush=True)
     finally:
-        for prod, cons in actors.values():
+        for prod, cons, _ in actors.values():
             for a in (prod, cons):  # consumers last in training layout: they hold the data
                 try:
                     ray.get(a.close.remote())
