@@ -20,6 +20,7 @@ Ray has no segment: its object stays on the producer's node and GET pulls it.
 
     python benchmarks/transfer_bench.py                       # same host (one Ray node)
     sudo python benchmarks/transfer_bench.py --two-hosts      # two network namespaces + veth
+    sudo python benchmarks/transfer_bench.py --three-hosts    # rollout host + 2 learner hosts
 
 ``--two-hosts`` creates two Linux network namespaces joined by a veth pair, starts a Ray head
 in A and a Ray worker in B, runs the masters (one per Mooncake case) and the producer on host A and
@@ -30,11 +31,21 @@ byte count. For the packed codec, each Mooncake client call is timed (``--no-cal
 to show where PUT and GET spend their time. Results: a table on stdout and JSON (``--out``;
 by default under the temp directory, so that the tracked benchmarks/results/ change only
 when asked).
+
+``--three-hosts`` is the layout users run: one rollout host (A) and two learner hosts (B, C)
+with two learner ranks each, three namespaces on a bridge (``benchmarks/netns.py``), a Ray
+head in A and workers in B and C. Per backend, the producer on A puts each step's batch as
+four partitions of N/4 samples, each near the rank that reads it (into the segment that rank
+lends), and the four ranks GET theirs at once; the table adds the bytes each host moved over
+``lo`` and its link, and checks that the batch crosses the network once and that a Mooncake
+GET stays in its rank's process (``benchmarks/transfer_three_hosts.py``). The segment is
+always the learner's (``--layouts`` does not apply).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -48,6 +59,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.netns import Netns  # noqa: E402
 from benchmarks.transfer_sides import (  # noqa: E402
     GET_PARTS, PUT_PARTS, Consumer, Producer, make_payload, transfer_config)
 from rl.backends import data_path  # noqa: E402
@@ -307,45 +319,70 @@ def same_host(args) -> None:
     finish(args, rows, "same host (one Ray node, loopback)", load)
 
 
-def inner_two_hosts(args) -> None:
-    """Runs inside namespace A as the Ray driver (started by ``two_hosts``)."""
+@contextlib.contextmanager
+def _attached(args, master_log: str):
+    """Inside namespace A: attach to the cluster's Ray and start the masters on A; yields
+    their addresses."""
     import ray
 
-    load = os.getloadavg()
     ray.init(address=args.ray_address, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "MC_LOG_LEVEL": "WARNING"}})
-    masters = start_masters(args.host_a, args, "/tmp/transfer_bench_master_2h")
+    masters = start_masters(args.host_a, args, master_log)
     try:
-        rows = run_bench(args, {"num_cpus": 0, "resources": {"hostA": 0.01}},
-                         {"num_cpus": 0, "resources": {"hostB": 0.01}}, _addresses(masters),
-                         _alive_nodes())
+        yield _addresses(masters)
     finally:
         stop_masters(masters)
         ray.shutdown()
+
+
+def inner_two_hosts(args) -> None:
+    """Runs inside namespace A as the Ray driver (started by ``on_hosts``)."""
+    load = os.getloadavg()
+    with _attached(args, "/tmp/transfer_bench_master_2h") as masters:
+        rows = run_bench(args, {"num_cpus": 0, "resources": {"hostA": 0.01}},
+                         {"num_cpus": 0, "resources": {"hostB": 0.01}}, masters, _alive_nodes())
     finish(args, rows, "two hosts (network namespaces joined by a veth pair)", load)
+
+
+def inner_three_hosts(args) -> None:
+    """Runs inside namespace A as the Ray driver (started by ``on_hosts``)."""
+    # imported here: it imports ray (about 1 s), which only this driver needs
+    from benchmarks import transfer_three_hosts as three
+
+    load = os.getloadavg()
+    ceiling = (lambda: iperf3(args.iperf3_server)) if args.iperf3_server else None
+    with _attached(args, "/tmp/transfer_bench_master_3h") as masters:
+        rows = three.run_bench(args, masters, _alive_nodes(), ceiling)
+    three.print_table(rows, three.TITLE)
+    write_json(args, rows, three.TITLE, load, three.ABOUT)
 
 
 def finish(args, rows: list[dict], title: str, load: tuple) -> None:
     print_table(rows, title)
+    write_json(args, rows, title, load, {"layouts": {
+        "training": "consumer (learner) lends the segment, as train.py",
+        "producer-lends": "producer lends the segment (earlier benchmark layout)"}})
+
+
+def write_json(args, rows: list[dict], title: str, load: tuple, about: dict) -> None:
+    """The rows and how they were measured, to ``args.out``; ``about``: the mode's layout."""
     out = {"title": title, "command": os.environ.get("BENCH_COMMAND", " ".join(sys.argv)),
            "machine": platform.platform(), "cpus": os.cpu_count(),
            "loadavg_start": load, "loadavg_end": os.getloadavg(),
            "runs": args.runs, "warmup": args.warmup, "chunk_bytes": args.chunk_bytes,
-           "layouts": {"training": "consumer (learner) lends the segment, as train.py",
-                       "producer-lends": "producer lends the segment (earlier benchmark layout)"},
-           "rows": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+           **about, "rows": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\nwrote {args.out}")
 
 
-def two_hosts(args) -> None:
-    from benchmarks.netns import Netns
-
+def on_hosts(args, net: Netns, mode: str) -> None:
+    """Create the hosts (``net``), a Ray head on the first and a worker on each other one
+    (resource ``host<letter>``), an iperf3 server on the second, then run this script again
+    inside the first as the driver (``--inner`` and ``mode``); remove everything at the end."""
     if os.geteuid() != 0:
-        sys.exit("--two-hosts needs root (it creates network namespaces)")
-    net = Netns()
+        sys.exit(f"{mode} needs root (it creates network namespaces)")
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": REPO}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # makes `ray start --address` abort
@@ -353,9 +390,10 @@ def two_hosts(args) -> None:
     server = None
     try:
         net.create()
-        for ns, ip, res, extra in ((net.a, net.ip_a, "hostA", ["--head", f"--port={port}",
-                                                                "--include-dashboard=false"]),
-                                   (net.b, net.ip_b, "hostB", [f"--address={net.ip_a}:{port}"])):
+        for i, (host, ns, ip) in enumerate(zip(net.hosts, net.names, net.ips)):
+            res = f"host{host}"
+            extra = ["--head", f"--port={port}", "--include-dashboard=false"] if i == 0 \
+                else [f"--address={net.ip_a}:{port}"]
             tmp = f"/tmp/ray_{ns}"
             os.makedirs(tmp, exist_ok=True)
             subprocess.run(["ip", "netns", "exec", ns, ray_bin, "start", *extra,
@@ -365,7 +403,7 @@ def two_hosts(args) -> None:
                            env={**env, "RAY_TMPDIR": tmp}, check=True, stdout=subprocess.DEVNULL)
         if args.iperf3:
             server = _iperf3_server(net.ip_b, netns=net.b)
-        cmd = ["ip", "netns", "exec", net.a, sys.executable, os.path.abspath(__file__), "--inner",
+        cmd = ["ip", "netns", "exec", net.a, sys.executable, os.path.abspath(__file__), "--inner", mode,
                f"--ray-address={net.ip_a}:{port}", f"--host-a={net.ip_a}", f"--out={args.out}",
                f"--runs={args.runs}", f"--warmup={args.warmup}", f"--chunk-bytes={args.chunk_bytes}",
                "--sizes", *map(str, args.sizes), "--backends", *args.backends,
@@ -378,9 +416,20 @@ def two_hosts(args) -> None:
         net.remove()
 
 
+def two_hosts(args) -> None:
+    on_hosts(args, Netns(), "--two-hosts")
+
+
+def three_hosts(args) -> None:
+    # a prefix and subnet of its own: a two-host run (rlbA, rlbB) may be up at the same time
+    on_hosts(args, Netns(prefix="rl3", subnet="10.231.8", hosts=("A", "B", "C")), "--three-hosts")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--two-hosts", action="store_true", help="two network namespaces (root)")
+    p.add_argument("--three-hosts", action="store_true",
+                   help="a rollout host and two learner hosts of two ranks each (root)")
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 512, 2048])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
@@ -388,8 +437,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None,
-                   help="where the JSON goes (default: transfer_same_host.json or "
-                        f"transfer_two_hosts.json under {tempfile.gettempdir()}/rl-benchmarks; "
+                   help="where the JSON goes (default: transfer_same_host.json, "
+                        "transfer_two_hosts.json or transfer_three_hosts.json under "
+                        f"{tempfile.gettempdir()}/rl-benchmarks; "
                         "benchmarks/results/<that name> updates the tracked results)")
     p.add_argument("--chunk-bytes", type=int, default=4 << 20,
                    help="Mooncake chunk size (transfer.chunk_bytes)")
@@ -402,9 +452,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-a", help=argparse.SUPPRESS)
     p.add_argument("--iperf3-server", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.out = args.out or os.path.join(
-        tempfile.gettempdir(), "rl-benchmarks",
-        "transfer_two_hosts.json" if args.two_hosts or args.inner else "transfer_same_host.json")
+    if args.two_hosts and args.three_hosts:
+        p.error("--two-hosts and --three-hosts: pick one")
+    if args.three_hosts:
+        args.layouts = ["training"]  # every learner rank lends its segment
+    mode = "three_hosts" if args.three_hosts else \
+        "two_hosts" if args.two_hosts or args.inner else "same_host"
+    args.out = args.out or os.path.join(tempfile.gettempdir(), "rl-benchmarks",
+                                        f"transfer_{mode}.json")
     return args
 
 
@@ -413,7 +468,9 @@ def main() -> None:
     if args.iperf3 and not args.inner and not shutil.which("iperf3"):
         sys.exit("iperf3 is not installed: apt-get install -y iperf3 (or pass --no-iperf3)")
     if args.inner:
-        inner_two_hosts(args)
+        (inner_three_hosts if args.three_hosts else inner_two_hosts)(args)
+    elif args.three_hosts:
+        three_hosts(args)
     elif args.two_hosts:
         two_hosts(args)
     else:

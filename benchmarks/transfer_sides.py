@@ -120,6 +120,10 @@ class _Side:
     def location(self) -> str | None:
         return self.store.location
 
+    def net_bytes(self) -> dict[str, int]:
+        """This host's interface byte counters (the actor's network namespace is its host's)."""
+        return _net_bytes()
+
     def close(self) -> None:
         self.store.close()
 
