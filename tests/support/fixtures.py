@@ -93,7 +93,10 @@ def ray_local():
     import ray
 
     shared = RAY_HEAD_DIR in os.environ  # set by ray_head() only: never a cluster of the user's
-    ray.init(num_cpus=None if shared else 2, include_dashboard=False, logging_level="WARNING",
+    # "local": a new cluster of the test's own, never one that a `ray start` elsewhere on the
+    # machine announced in /tmp/ray (ray.init() with no address joins that one)
+    ray.init(address=None if shared else "local", num_cpus=None if shared else 2,
+             include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
                                        "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
