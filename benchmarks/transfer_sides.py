@@ -13,6 +13,7 @@ import numpy as np
 
 from rl.backends import data_path
 from rl.config.transfer import BACKENDS
+from transfer.data.base import Ragged
 from transfer.data.mooncake import MooncakeStore
 
 PUT_PARTS = ("encode", "batch_put_from")
@@ -20,28 +21,42 @@ GET_PARTS = ("batch_get_into", "decode")
 """The packed codec's Mooncake calls (and its own encode/decode) timed around each PUT/GET."""
 
 
-def make_payload(n: int, seed: int = 0) -> dict:
-    """N GRPO samples of 64..4096 tokens (prompt 10-30 %), as the rollout manager stores them."""
+def make_payload(n: int, seed: int = 0, per_sample: bool = False) -> dict:
+    """N GRPO samples of 64..4096 tokens (prompt 10-30 %), as the rollout manager stores them
+    (flat ragged columns); ``per_sample``: one array per sample in each ragged column, the
+    dict a trainer that keeps per-sample arrays hands to pickle (miles' layout)."""
     from rl.types import RolloutBatch
 
     rng = np.random.default_rng(seed)
     total = rng.integers(64, 4097, n)
     plen = np.maximum(1, (total * rng.uniform(0.1, 0.3, n)).astype(np.int32))
     rlen = (total - plen).astype(np.int32)
+    resp = int(rlen.sum())
     batch = RolloutBatch(
-        tokens=[rng.integers(0, 151_000, t, dtype=np.int32) for t in total],
-        loss_mask=[np.ones(r, dtype=np.int8) for r in rlen],
-        rollout_logprobs=[rng.normal(-1, 0.5, r).astype(np.float32) for r in rlen],
+        tokens=Ragged.from_lengths(rng.integers(0, 151_000, int(total.sum()), dtype=np.int32), total),
+        loss_mask=Ragged.from_lengths(np.ones(resp, dtype=np.int8), rlen),
+        rollout_logprobs=Ragged.from_lengths(rng.normal(-1, 0.5, resp).astype(np.float32), rlen),
         prompt_len=plen, response_len=rlen, rewards=rng.random(n).astype(np.float32),
         advantages=rng.normal(0, 1, n).astype(np.float32), group_id=np.arange(n) // 8,
         sample_id=np.arange(n, dtype=np.int64), weight_version=np.zeros(n, dtype=np.int64),
         finish_reason=[["stop", "length"][i % 2] for i in range(n)],
         label=[f"label-{i}" for i in range(n)])
-    return batch.to_columns()
+    cols = batch.to_columns()
+    if per_sample:
+        cols = {k: [a.copy() for a in v] if isinstance(v, Ragged) else v for k, v in cols.items()}
+    return cols
+
+
+def per_sample_payload(transfer) -> bool:
+    """The pickle codec is measured on the per-sample dict (the baseline: Ray as miles uses
+    it); every other codec on the flat columns the manager builds."""
+    return getattr(transfer, "codec", None) == "pickle"
 
 
 def checksum(cols: dict) -> int:
-    return int(sum(int(t.sum()) for t in cols["tokens"]) + len(cols["label"]))
+    tokens = cols["tokens"]
+    total = int(tokens.values.sum()) if isinstance(tokens, Ragged) else sum(int(t.sum()) for t in tokens)
+    return total + len(cols["label"])
 
 
 def transfer_config(label: str, chunk_bytes: int, segment: int, master: dict | None = None):
@@ -131,7 +146,7 @@ class _Side:
 class Producer(_Side):
     def __init__(self, transfer, runtime, lend: bool, timed: bool, sizes: list[int]):
         super().__init__(transfer, runtime, lend, timed)
-        self.payloads = {n: make_payload(n) for n in sizes}
+        self.payloads = {n: make_payload(n, per_sample=per_sample_payload(transfer)) for n in sizes}
         self.sums = {n: checksum(p) for n, p in self.payloads.items()}
         self.blobs: dict[int, bytes] = {}
 

@@ -3,6 +3,10 @@
 ``RolloutBatch`` is what the rollout manager builds and a learner rank trains on; it is
 converted to a column dict (``to_columns``) only at the store boundary. ``RolloutRef`` is
 the small control-plane message the driver passes around instead of the data.
+
+The per-token fields are flat (``Ragged``: every sample's tokens in one array, plus
+offsets): the manager builds them without per-sample arrays, a codec copies each in one go,
+and the learner pads a micro-batch with one scatter per field.
 """
 
 from __future__ import annotations
@@ -12,20 +16,22 @@ from typing import Sequence
 
 import numpy as np
 
-from transfer.data.base import Columns, StoreRef
+from transfer.data.base import Columns, Ragged, StoreRef
 
 
 @dataclass
 class RolloutBatch:
     """Samples of one step (or one learner rank's partition of it). One row per sample."""
 
-    tokens: list[np.ndarray]
-    """int32 [prompt_len + response_len]: prompt ids then the sampled response ids, exactly as
-    sampled (never rewritten; the end-of-sequence token is kept when it was sampled)."""
-    loss_mask: list[np.ndarray]
-    """int8 [response_len]: 1 where the response token is trained on."""
-    rollout_logprobs: list[np.ndarray]
-    """float32 [response_len]: the engine's log-probs of the sampled response tokens."""
+    tokens: Ragged
+    """int32, per sample [prompt_len + response_len]: prompt ids then the sampled response
+    ids, exactly as sampled (never rewritten; the end-of-sequence token is kept when it was
+    sampled)."""
+    loss_mask: Ragged
+    """int8, per sample [response_len]: 1 where the response token is trained on."""
+    rollout_logprobs: Ragged
+    """float32, per sample [response_len]: the engine's log-probs of the sampled response
+    tokens."""
     prompt_len: np.ndarray
     """int32 [N]: prompt length in tokens."""
     response_len: np.ndarray
@@ -46,12 +52,26 @@ class RolloutBatch:
     label: list[str]
     """The task's label of the prompt (for debugging and evaluation)."""
 
+    def __post_init__(self) -> None:
+        # One array per sample is accepted (tests, hand-made batches) and made flat here.
+        for name, dtype in (("tokens", np.int32), ("loss_mask", np.int8),
+                            ("rollout_logprobs", np.float32)):
+            value = getattr(self, name)
+            if not isinstance(value, Ragged):
+                setattr(self, name, Ragged.from_arrays(value, dtype))
+        rlen = np.asarray(self.response_len)
+        if not (np.array_equal(self.tokens.lengths, np.asarray(self.prompt_len) + rlen)
+                and np.array_equal(self.loss_mask.lengths, rlen)
+                and np.array_equal(self.rollout_logprobs.lengths, rlen)):
+            raise ValueError("RolloutBatch: tokens must hold prompt_len + response_len ids per "
+                             "sample, loss_mask and rollout_logprobs response_len values")
+
     def __len__(self) -> int:
         return len(self.tokens)
 
     @property
     def num_loss_tokens(self) -> int:
-        return int(sum(int(m.sum()) for m in self.loss_mask))
+        return int(np.count_nonzero(self.loss_mask.values))
 
     @staticmethod
     def estimate_nbytes(num_samples: int, max_prompt_tokens: int, max_new_tokens: int) -> int:
@@ -73,12 +93,13 @@ class RolloutBatch:
         return cls(**{k: columns[k] for k in names})
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
-        """Rows ``idx`` as a new batch (arrays are views or copies, lists are new lists)."""
+        """Rows ``idx`` as a new batch (arrays and flat columns copied, lists new lists)."""
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v[np.asarray(idx, dtype=np.int64)] if isinstance(v, np.ndarray) \
-                else [v[i] for i in idx]
+            out[f.name] = v.take(idx) if isinstance(v, Ragged) else v[idx] \
+                if isinstance(v, np.ndarray) else [v[i] for i in idx.tolist()]
         return RolloutBatch(**out)
 
 

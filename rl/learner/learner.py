@@ -25,6 +25,7 @@ from rl.learner import checkpoint
 from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
+from transfer.data.base import Ragged
 from transfer.net import free_port
 from transfer.weights.base import full_tensor
 
@@ -172,7 +173,7 @@ class Learner:
             len(batch)) if a.steps_per_rollout > 1 else np.arange(len(batch))
         for idx in np.array_split(order, a.steps_per_rollout):
             mini = batch.select(idx)
-            old_mini = None if old_logp is None else [old_logp[i] for i in idx]
+            old_mini = None if old_logp is None else old_logp.take(idx)
             [count] = self._all_reduce([agg_count_of(mini, a.loss_agg)])
             if count == 0:  # nothing left to learn from on any rank (stale or dropped)
                 continue
@@ -204,23 +205,23 @@ class Learner:
             "perf/old_logp_time": old_s,
         }
 
-    def behaviour_logprobs(self, batch: RolloutBatch) -> list[np.ndarray]:
+    def behaviour_logprobs(self, batch: RolloutBatch) -> Ragged:
         """Per sample, the log-probs of its response tokens under the current weights (one
-        no-grad forward over the partition's micro-batches)."""
+        no-grad forward over the partition's micro-batches), laid out as
+        ``batch.rollout_logprobs``."""
         T, mbs, n = self.cfg.rollout.temperature, self.cfg.algo.micro_batch_size, len(batch)
         out: list[np.ndarray] = []
         with torch.no_grad():
             for start in range(0, n, mbs):
-                sub = batch.select(range(start, min(start + mbs, n)))
+                sub = batch.select(np.arange(start, min(start + mbs, n)))
                 mb = self._pack(sub)
                 logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
                 logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T).cpu().numpy()
-                for i in range(len(sub)):
-                    p, r = int(sub.prompt_len[i]), int(sub.response_len[i])
-                    out.append(logp_bt[i, p - 1:p - 1 + r].copy())
-        return out
+                out.append(logp_bt[response_positions(sub)])
+        return Ragged(np.concatenate(out) if out else np.zeros(0, np.float32),
+                      batch.rollout_logprobs.offsets)
 
-    def accumulate_grads(self, batch: RolloutBatch, old_logp: list[np.ndarray] | None = None,
+    def accumulate_grads(self, batch: RolloutBatch, old_logp: Ragged | None = None,
                          count: float | None = None) -> dict[str, float]:
         """Forward/backward over micro-batches; gradients end up equal to those of the
         aggregated loss (``algo.loss_agg``) of the mini-batch over all ranks, whose
@@ -237,8 +238,8 @@ class Learner:
         sums = dict.fromkeys(("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff",
                               "tis_mean", "tokens"), 0.0)
         for start in range(0, n, mbs):
-            sel = range(start, min(start + mbs, n))
-            mb = self._pack(batch.select(sel), None if old_logp is None else [old_logp[i] for i in sel])
+            sel = np.arange(start, min(start + mbs, n))
+            mb = self._pack(batch.select(sel), None if old_logp is None else old_logp.take(sel))
             logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
             logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T)
             mask_bt = mb["mask"]
@@ -280,31 +281,30 @@ class Learner:
             sums["tokens"] += float(mask_bt.sum())
         return sums
 
-    def _pack(self, batch: RolloutBatch,
-              old_logp: list[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
-        """Right-pad a micro-batch. Token ids stay exactly as sampled; pad positions and
-        everything past a sample's response are masked out, so their ids never matter."""
-        B = len(batch)
-        L = max(len(t) for t in batch.tokens)
+    def _pack(self, batch: RolloutBatch, old_logp: Ragged | None = None) -> dict[str, torch.Tensor]:
+        """Right-pad a micro-batch, one scatter per field from the flat columns. Token ids
+        stay exactly as sampled; pad positions and everything past a sample's response are
+        masked out, so their ids never matter."""
+        B, L = len(batch), int(batch.tokens.lengths.max())
         ids = np.full((B, L), self.pad_id, dtype=np.int64)
         attn = np.zeros((B, L), dtype=np.int64)
-        mask = np.zeros((B, L - 1), dtype=np.float32)  # position t predicts token t + 1
+        at = batch.tokens.rows_and_columns()
+        ids[at] = batch.tokens.values
+        attn[at] = 1
+        # position t predicts token t + 1: response token j of sample i sits at p_i - 1 + j
+        resp = response_positions(batch)
+        mask = np.zeros((B, L - 1), dtype=np.float32)
+        mask[resp] = batch.loss_mask.values
         rollout_logp = np.zeros((B, L - 1), dtype=np.float32)
-        old = np.zeros((B, L - 1), dtype=np.float32)
-        for i in range(B):
-            tok, p, r = batch.tokens[i], int(batch.prompt_len[i]), int(batch.response_len[i])
-            ids[i, :len(tok)] = tok
-            attn[i, :len(tok)] = 1
-            mask[i, p - 1:p - 1 + r] = batch.loss_mask[i]
-            rollout_logp[i, p - 1:p - 1 + r] = batch.rollout_logprobs[i]
-            if old_logp is not None:
-                old[i, p - 1:p - 1 + r] = old_logp[i]
+        rollout_logp[resp] = batch.rollout_logprobs.values
         dev = self.device
         packed = {"ids": torch.from_numpy(ids).to(dev), "attn": torch.from_numpy(attn).to(dev),
                   "mask": torch.from_numpy(mask).to(dev),
                   "rollout_logp": torch.from_numpy(rollout_logp).to(dev),
                   "adv": torch.from_numpy(np.asarray(batch.advantages, dtype=np.float32)).to(dev)}
         if old_logp is not None:
+            old = np.zeros((B, L - 1), dtype=np.float32)
+            old[resp] = old_logp.values
             packed["old_logp"] = torch.from_numpy(old).to(dev)
         return packed
 
@@ -353,15 +353,23 @@ def mask_stale(batch: RolloutBatch, min_version: int | None) -> np.ndarray:
     staleness bound); returns which samples are kept. Masked, not removed: every rank still
     runs the same micro-batches, as FSDP's collectives require."""
     keep = fresh(batch.weight_version, min_version)
-    for i in np.flatnonzero(~keep):
-        batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
+    if not keep.all():
+        batch.loss_mask = batch.loss_mask.with_zeroed(~keep)
     return keep
+
+
+def response_positions(batch: RolloutBatch) -> tuple[np.ndarray, np.ndarray]:
+    """Where the response tokens' predictions sit in a padded ``[B, L - 1]`` array (position
+    t predicts token t + 1, so response token j of sample i is at ``prompt_len[i] - 1 + j``),
+    in the order of the flat per-response columns."""
+    return batch.loss_mask.rows_and_columns(batch.prompt_len.astype(np.int64) - 1)
 
 
 def agg_count_of(batch: RolloutBatch, mode: str) -> float:
     """``rl.algo.agg_count`` of a batch's loss masks, without packing it: loss tokens, or
     sequences with at least one loss token."""
-    nonzero_b = np.asarray([int(np.count_nonzero(m)) for m in batch.loss_mask])
+    nonzero_b = np.bincount(batch.loss_mask.sample_index(), weights=batch.loss_mask.values != 0,
+                            minlength=len(batch))
     if mode == "token_mean":
         return float(nonzero_b.sum())
     if mode in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):

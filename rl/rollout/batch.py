@@ -16,6 +16,7 @@ import numpy as np
 
 from rl.tasks import Prompt
 from rl.types import RolloutBatch
+from transfer.data.base import Ragged
 
 
 def grpo_advantages(rewards: np.ndarray, group_size: int, std_norm: bool = True,
@@ -37,9 +38,8 @@ def zero_std_groups(batch: RolloutBatch, group_size: int, drop: bool) -> int:
     learners skip its optimizer steps."""
     r_gn = batch.rewards.reshape(-1, group_size)
     flat_g = (r_gn == r_gn[:, :1]).all(axis=1)
-    if drop:
-        for i in np.flatnonzero(np.repeat(flat_g, group_size)):
-            batch.loss_mask[i] = np.zeros_like(batch.loss_mask[i])
+    if drop and flat_g.any():
+        batch.loss_mask = batch.loss_mask.with_zeroed(np.repeat(flat_g, group_size))
     return int(flat_g.sum())
 
 
@@ -64,19 +64,21 @@ def build_batch(prompts: list[Prompt], prompt_ids: list[list[int]], answers: lis
     """The training batch of one step: each prompt's answers (SGLang ``/generate`` answers,
     grouped by prompt), scored by ``reward(text, label, finished)``, with GRPO advantages over
     each group of ``group_size`` and sample ids counted from ``first_sample_id``."""
-    tokens, masks, logps, plen, rlen, rewards = [], [], [], [], [], []
+    # Ragged fields are built flat: every sample's ids and log-probs appended to one list,
+    # made one array each at the end (no per-sample arrays).
+    tokens, logps, plen, rlen, rewards = [], [], [], [], []
     groups, reasons, labels, versions = [], [], [], []
     for prompt, ids, group in zip(prompts, prompt_ids, answers):
         for ans in group:
             meta = ans["meta_info"]
-            out_ids = [int(t) for t in ans["output_ids"]]
+            out_ids = ans["output_ids"]
             lp = [float(x[0]) for x in meta["output_token_logprobs"]]
             if len(lp) != len(out_ids):
                 raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(out_ids)} tokens")
             finished = meta["finish_reason"]["type"] == "stop"
-            tokens.append(np.asarray(ids + out_ids, dtype=np.int32))  # exactly as sampled
-            masks.append(np.ones(len(out_ids), dtype=np.int8))
-            logps.append(np.asarray(lp, dtype=np.float32))
+            tokens += ids
+            tokens += out_ids  # exactly as sampled
+            logps += lp
             plen.append(len(ids))
             rlen.append(len(out_ids))
             rewards.append(reward(ans["text"], prompt.label, finished))
@@ -84,11 +86,14 @@ def build_batch(prompts: list[Prompt], prompt_ids: list[list[int]], answers: lis
             reasons.append("stop" if finished else "length")
             labels.append(prompt.label)
             versions.append(sample_weight_version(meta))
-    n = len(tokens)
+    n = len(plen)
+    plen_np, rlen_np = np.asarray(plen, dtype=np.int32), np.asarray(rlen, dtype=np.int32)
     rewards_np = np.asarray(rewards, dtype=np.float32)
     return RolloutBatch(
-        tokens=tokens, loss_mask=masks, rollout_logprobs=logps,
-        prompt_len=np.asarray(plen, dtype=np.int32), response_len=np.asarray(rlen, dtype=np.int32),
+        tokens=Ragged.from_lengths(np.asarray(tokens, dtype=np.int32), plen_np + rlen_np),
+        loss_mask=Ragged.from_lengths(np.ones(int(rlen_np.sum()), dtype=np.int8), rlen_np),
+        rollout_logprobs=Ragged.from_lengths(np.asarray(logps, dtype=np.float32), rlen_np),
+        prompt_len=plen_np, response_len=rlen_np,
         rewards=rewards_np, advantages=grpo_advantages(rewards_np, group_size, std_norm),
         group_id=np.asarray(groups, dtype=np.int64),
         sample_id=np.arange(first_sample_id, first_sample_id + n, dtype=np.int64),

@@ -22,7 +22,7 @@ from rl.runtime import Runtime
 from rl.types import RolloutRef
 from tests.support.batches import make_batch
 from tests.support.env import compose
-from transfer.data.base import StoreRef
+from transfer.data.base import Ragged, StoreRef
 from transfer.net import free_port
 
 gpu = pytest.mark.gpu
@@ -172,7 +172,8 @@ class MemoryStore:
 
     def get(self, ref: StoreRef) -> dict:
         self.get_timings_ms = {"fetch_ms": 0.1}
-        return {k: list(v) if isinstance(v, list) else v.copy() for k, v in self.columns.items()}
+        return {k: list(v) if isinstance(v, list) else v.take(range(len(v))) if isinstance(v, Ragged)
+                else v.copy() for k, v in self.columns.items()}
 
     def close(self) -> None:
         pass

@@ -15,6 +15,7 @@ from rl.runtime import Runtime
 from rl.types import RolloutBatch
 from tests.support.batches import grouped_batch, make_batch
 from tests.support.env import compose
+from transfer.data.base import Ragged
 from transfer.net import free_port
 
 
@@ -75,7 +76,8 @@ def _async_worker(rank, world, port, tiny_path, out_dir):
 
     def with_engine_logp(value):
         b = make_batch(8)
-        b.rollout_logprobs = [np.full_like(lp, value) for lp in b.rollout_logprobs]
+        b.rollout_logprobs = Ragged(np.full_like(b.rollout_logprobs.values, value),
+                                    b.rollout_logprobs.offsets)
         return b
 
     out = {"plain": grads(make_batch(8)),
@@ -164,7 +166,7 @@ def _steps_worker(rank, world, port, tiny_path, out_dir):
     for steps in (2, 1):
         learner.cfg.algo.steps_per_rollout = steps
         masked = make_batch(8, seed=3)
-        masked.loss_mask = [np.zeros_like(m) for m in masked.loss_mask]
+        masked.loss_mask = masked.loss_mask.with_zeroed(np.arange(len(masked)))
         out[f"masked_{steps}"] = learner.train_batch(masked)
     out["masked_steps"] = list(record)
     out["after"] = (learner.full_state(), _optimizer_state(learner.optimizer))

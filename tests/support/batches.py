@@ -8,6 +8,7 @@ import numpy as np
 
 from rl.rollout.batch import grpo_advantages
 from rl.types import RolloutBatch
+from transfer.data.base import Ragged
 
 
 def make_batch(n: int, seed: int = 0, vocab: int = 49) -> RolloutBatch:
@@ -43,7 +44,12 @@ def assert_same(a: dict, b: dict) -> None:
     assert list(a) == list(b)  # names and order
     for name in a:
         x, y = a[name], b[name]
-        if isinstance(x, np.ndarray):
+        if isinstance(x, Ragged):  # flat stays flat: values and offsets, dtype and shape
+            assert isinstance(y, Ragged), (name, type(y))
+            for u, v in ((x.values, y.values), (x.offsets, y.offsets)):
+                assert v.dtype == u.dtype and v.shape == u.shape, name
+                np.testing.assert_array_equal(v, u)
+        elif isinstance(x, np.ndarray):
             assert isinstance(y, np.ndarray) and y.dtype == x.dtype and y.shape == x.shape, name
             np.testing.assert_array_equal(y, x)
         elif isinstance(x, list) and x and isinstance(x[0], np.ndarray):

@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 from tests.support.batches import assert_same
 from transfer.data import codec
+from transfer.data.base import Ragged
 
 DTYPES = st.sampled_from([np.int8, np.int32, np.int64, np.float16, np.float32, np.float64,
                           np.uint8, np.bool_])
@@ -25,6 +26,13 @@ def ragged(draw):
     return [draw(hnp.arrays(dtype, (draw(st.integers(0, 5)), *tail))) for _ in range(n)]
 
 
+@st.composite
+def flat_ragged(draw):
+    arrays = draw(ragged())
+    return Ragged.from_arrays(arrays, arrays[0].dtype) if arrays[0].ndim == 1 else \
+        Ragged(np.concatenate(arrays), Ragged.from_arrays([a[:, 0] for a in arrays]).offsets)
+
+
 dense = DTYPES.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0,
                                                                    max_side=4)))
 scalars = st.one_of(st.lists(st.integers(-2**62, 2**62), min_size=1, max_size=5),
@@ -32,7 +40,8 @@ scalars = st.one_of(st.lists(st.integers(-2**62, 2**62), min_size=1, max_size=5)
                     st.lists(st.booleans(), min_size=1, max_size=5))
 jsonish = st.one_of(st.none(), st.lists(st.one_of(st.text(), st.none()), max_size=4),
                     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3), st.just([]))
-columns = st.dictionaries(st.text(min_size=1, max_size=8), st.one_of(ragged(), dense, scalars, jsonish),
+columns = st.dictionaries(st.text(min_size=1, max_size=8), st.one_of(ragged(), flat_ragged(), dense,
+                                                                   scalars, jsonish),
                           max_size=6)
 
 
@@ -46,10 +55,12 @@ def test_round_trip(cols):
 
 def test_views_are_zero_copy_and_aligned():
     cols = {"a": [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32)],
-            "b": np.ones((4, 2), dtype=np.float32)}
+            "b": np.ones((4, 2), dtype=np.float32),
+            "c": Ragged.from_lengths(np.arange(7, dtype=np.float32), [4, 0, 3])}
     manifest, payload = codec.encode(cols)
     out = codec.decode(manifest, payload)
-    for arr in (out["a"][0], out["a"][1], out["b"]):
+    assert isinstance(out["c"], Ragged) and out["c"][2].tolist() == [4.0, 5.0, 6.0]
+    for arr in (out["a"][0], out["a"][1], out["b"], out["c"].values, out["c"].offsets):
         assert np.shares_memory(arr, payload)
     for f in json.loads(manifest)["fields"]:
         for k in ("at", "values", "offsets"):

@@ -2,6 +2,8 @@
 
 Encoding, per field (order kept):
 
+* flat ragged (``Ragged``): its values and offsets buffers, each copied as they are (two
+  copies for the whole column, whatever the number of samples);
 * ragged (``list[np.ndarray]``, one dtype and trailing shape): the arrays concatenated
   along axis 0 into one values buffer, plus an int64 offsets buffer ``[n + 1]``;
 * dense (``np.ndarray``): its bytes as they are, with dtype and shape;
@@ -12,7 +14,8 @@ Encoding, per field (order kept):
 Nothing is pickled: a payload read from a store cannot run code. ``plan`` computes the
 manifest and the size without copying, ``write`` copies each field once into a caller's
 buffer (a registered staging buffer), ``decode`` rebuilds the columns as zero-copy views
-into the received buffer. Buffers start at 64-byte boundaries.
+into the received buffer (a flat ragged column as one ``Ragged`` of two views; a per-sample
+one as one view per sample). Buffers start at 64-byte boundaries.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transfer.data.base import Columns
+from transfer.data.base import Columns, Ragged
 
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)
+"""Manifest formats ``decode`` reads (2 added the flat ragged kind)."""
 ALIGN = 64
 
 
@@ -67,6 +72,13 @@ def plan(columns: Columns) -> Plan:
             fields.append({"name": name, "kind": "dense", "dtype": arr.dtype.str,
                            "shape": list(arr.shape),
                            "at": reserve(arr.nbytes, lambda dst, a=arr: _copy(dst, a))})
+        elif kind == "flat_ragged":
+            values, offsets = np.ascontiguousarray(value.values), value.offsets
+            fields.append({
+                "name": name, "kind": "flat_ragged", "dtype": values.dtype.str,
+                "tail": list(values.shape[1:]), "count": len(value),
+                "values": reserve(values.nbytes, lambda dst, a=values: _copy(dst, a)),
+                "offsets": reserve(offsets.nbytes, lambda dst, o=offsets: _copy(dst, o))})
         elif kind == "ragged":
             arrays = value
             dtype, tail = arrays[0].dtype, arrays[0].shape[1:]
@@ -112,6 +124,10 @@ def plan(columns: Columns) -> Plan:
 
 
 def _kind(name: str, value: Any) -> str:
+    if isinstance(value, Ragged):
+        if value.values.dtype.hasobject:
+            raise TypeError(f"column {name!r}: object arrays cannot be encoded")
+        return "flat_ragged"
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise TypeError(f"column {name!r}: object arrays cannot be encoded")
@@ -160,7 +176,7 @@ def decode(manifest: bytes | dict, payload) -> Columns:
     """Rebuild the columns from ``payload`` (any buffer-protocol object) without copying:
     arrays are read-only-unsafe views that keep ``payload`` alive."""
     m = json.loads(manifest) if isinstance(manifest, (bytes, bytearray, memoryview, str)) else manifest
-    if m.get("format") != FORMAT:
+    if m.get("format") not in READS:
         raise ValueError(f"unknown manifest format {m.get('format')!r}")
 
     def view(at: list[int], dtype: str) -> np.ndarray:
@@ -172,14 +188,23 @@ def decode(manifest: bytes | dict, payload) -> Columns:
         kind = f["kind"]
         if kind == "dense":
             out[f["name"]] = view(f["at"], f["dtype"]).reshape(f["shape"])
+        elif kind == "flat_ragged":
+            out[f["name"]] = Ragged(view(f["values"], f["dtype"]).reshape((-1, *f["tail"])),
+                                    view(f["offsets"], "<i8"))
         elif kind == "ragged":
             values = view(f["values"], f["dtype"]).reshape((-1, *f["tail"]))
             offsets = view(f["offsets"], "<i8").tolist()
             out[f["name"]] = [values[offsets[i]:offsets[i + 1]] for i in range(f["count"])]
         elif kind == "strings":
-            raw = view(f["values"], "|u1").tobytes()
+            raw_u8 = view(f["values"], "|u1")
             offsets = view(f["offsets"], "<i8").tolist()
-            out[f["name"]] = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(f["count"])]
+            if not raw_u8.size or raw_u8.max() < 128:  # ASCII: byte offsets are str offsets
+                text = raw_u8.tobytes().decode("ascii")
+                out[f["name"]] = [text[offsets[i]:offsets[i + 1]] for i in range(f["count"])]
+            else:
+                raw = raw_u8.tobytes()
+                out[f["name"]] = [raw[offsets[i]:offsets[i + 1]].decode("utf-8")
+                                  for i in range(f["count"])]
         elif kind == "scalars":
             out[f["name"]] = view(f["at"], f["dtype"]).tolist()
         elif kind == "json":

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from transfer.data.base import Columns, StoreRef, columns_nbytes
+from transfer.data.base import Columns, Ragged, StoreRef, columns_nbytes
 from transfer.data.mooncake.client import MooncakeClient, MooncakeSettings, StoreError, StoreRemovedError
 
 
@@ -37,9 +37,13 @@ class MooncakeBundleStore(MooncakeClient):
 
     def put(self, columns: Columns, *, key: str, near: str | None = None) -> StoreRef:
         t0 = time.perf_counter()
+        # The bundle API takes one row per sample: a flat ragged column goes as its samples
+        # (views, no copy) and is made flat again on get.
+        flat = {name: v.values.dtype.str for name, v in columns.items() if isinstance(v, Ragged)}
+        rows = {name: v.to_list() if name in flat else v for name, v in columns.items()}
         try:
             # bundle partitions allow no '/'; our keys use it as the namespace separator
-            ref = self.bundle.put(dict(columns), type="dict", namespace="rl",
+            ref = self.bundle.put(rows, type="dict", namespace="rl",
                                   partition=re.sub(r"[^A-Za-z0-9_.-]", "_", key),
                                   config=self.replicate_near(near))
         except ValueError as e:
@@ -48,7 +52,7 @@ class MooncakeBundleStore(MooncakeClient):
             raise StoreError(f"transfer.codec=bundle cannot store {key!r}: {e}{hint}") from e
         put_ms = (time.perf_counter() - t0) * 1e3
         return StoreRef(key=key, backend=self.backend, nbytes=columns_nbytes(columns),
-                        handle={"bundle": self._export_ref(ref), "order": list(columns)},
+                        handle={"bundle": self._export_ref(ref), "order": list(columns), "flat": flat},
                         timings_ms={"put_ms": put_ms, "encode_ms": 0.0})
 
     def get(self, ref: StoreRef) -> Columns:
@@ -60,7 +64,9 @@ class MooncakeBundleStore(MooncakeClient):
                                     f"get of bundle {ref.key!r}: removed already, or the learner "
                                     f"holding its segment closed ({type(e).__name__}: {e})") from e
         # decoding happens inside bundle.get: no separate decode time to report
-        return {name: _plain(out[name]) for name in ref.handle["order"]}
+        flat = ref.handle["flat"]
+        return {name: _flat(out[name], flat[name]) if name in flat else _plain(out[name])
+                for name in ref.handle["order"]}
 
     def remove(self, refs: Sequence[StoreRef]) -> None:
         for ref in refs:
@@ -70,6 +76,12 @@ class MooncakeBundleStore(MooncakeClient):
                 self.bundle.cleanup_dataproto(ref.handle["bundle"])
             except (KeyError, FileNotFoundError):
                 pass  # removed already
+
+
+def _flat(samples: list, dtype: str) -> Ragged:
+    """A flat ragged column from the bundle's per-sample arrays (one copy, which also takes
+    them out of its pooled receive buffer)."""
+    return Ragged.from_arrays([np.asarray(a) for a in samples], np.dtype(dtype))
 
 
 def _plain(value: Any) -> Any:
