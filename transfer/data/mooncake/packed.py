@@ -19,8 +19,10 @@ segment of the client that mounted it and vanishes when that client closes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
+import os
 import pickle
 import secrets
 import threading
@@ -84,6 +86,28 @@ class _BufferPool:
             self.free.clear()
 
 
+WAIT_NICE_ENV = "RL_MOONCAKE_WAIT_NICE"
+"""Measurement switch, off by default: a nice value for a thread that makes the transfer
+calls. The wheels are built without event-driven completion, so the calling thread polls
+until the transfer is done (mooncake-store ``TransferEngineOperationState::
+wait_for_completion``); raising that thread's nice value lets the engine's own threads win
+a contended core. Measured with no gain (docs/benchmarks.md, "Mooncake's waiting thread"),
+so it stays off."""
+
+
+class _NicedThread:
+    """Runs calls in one thread whose nice value is raised (Linux sets nice per thread)."""
+
+    def __init__(self, nice: int) -> None:
+        def lower() -> None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "mooncake-wait", initializer=lower)
+
+    def call(self, fn, *args):
+        return self.pool.submit(fn, *args).result()
+
+
 class MooncakeStore(MooncakeClient):
     """The packed codec (one registered buffer per batch, chunked)."""
 
@@ -93,6 +117,12 @@ class MooncakeStore(MooncakeClient):
         super().__init__(settings)
         self.staging = _BufferPool(self.client)
         self.receive = _BufferPool(self.client)
+        nice = int(os.environ.get(WAIT_NICE_ENV, "0"))
+        self._waiter = _NicedThread(nice) if nice else None
+
+    def _run(self, fn, *args):
+        """A transfer call, in the calling thread or (measurement switch) the niced one."""
+        return self._waiter.call(fn, *args) if self._waiter else fn(*args)
 
     # -- the codec: how columns become bytes and back ----------------------------------
     def _layout(self, columns: Columns) -> tuple[dict, Callable[[np.ndarray], None]]:
@@ -122,7 +152,8 @@ class MooncakeStore(MooncakeClient):
             if chunk_keys:
                 ptrs = [buf.ptr + i * chunk for i in range(len(chunk_keys))]
                 sizes = [min(chunk, n - i * chunk) for i in range(len(chunk_keys))]
-                rcs = self.client.batch_put_from(chunk_keys, ptrs, sizes, self.replicate_near(near))
+                rcs = self._run(self.client.batch_put_from, chunk_keys, ptrs, sizes,
+                                self.replicate_near(near))
                 written = [k for k, rc in zip(chunk_keys, rcs) if rc == 0]
                 bad = [rc for rc in rcs if rc != 0]
                 if bad:
@@ -149,8 +180,8 @@ class MooncakeStore(MooncakeClient):
         try:
             if keys:
                 sizes = [min(chunk, n - i * chunk) for i in range(len(keys))]
-                rcs = self.client.batch_get_into(keys, [buf.ptr + i * chunk for i in range(len(keys))],
-                                                 sizes)
+                rcs = self._run(self.client.batch_get_into, keys,
+                                [buf.ptr + i * chunk for i in range(len(keys))], sizes)
                 bad = [(k, rc) for k, rc, s in zip(keys, rcs, sizes) if rc != s]
                 if bad:
                     found = bad[0][1] != NOT_FOUND
@@ -178,6 +209,8 @@ class MooncakeStore(MooncakeClient):
             self._remove_keys(ref.handle["keys"], strict=True)
 
     def _release(self) -> None:
+        if self._waiter is not None:
+            self._waiter.pool.shutdown()
         self.staging.close()
         self.receive.close()
 
