@@ -18,6 +18,7 @@ from tests.support.store_suite import (  # noqa: F401  (the suite's tests run he
     registered_case, test_a_ref_of_another_backend_is_refused, test_remove_is_idempotent_and_leaves_nothing,
     test_results_of_earlier_gets_stay_intact, test_rollout_batch_round_trip, test_round_trip_across_processes,
     test_the_store_follows_the_protocol)
+from transfer.data.base import Ragged
 from transfer.data.mooncake import MooncakeSettings, MooncakeStore, StoreError, open_store
 from transfer.data.mooncake.master import MooncakeMaster, list_keys
 
@@ -183,3 +184,26 @@ def test_a_partition_put_near_its_reader_is_read_without_the_network(master, cod
     finally:
         for store in (producer, *ranks):
             store.close()
+
+
+def test_the_waiting_thread_switch_moves_the_calls_to_a_niced_thread(master, segment_holder, monkeypatch):
+    """``RL_MOONCAKE_WAIT_NICE`` (a measurement switch): the transfer calls run in one thread
+    whose nice value is raised by that much, and the data round-trips as without it."""
+    import os
+    import threading
+
+    from transfer.data.mooncake.packed import WAIT_NICE_ENV
+
+    monkeypatch.setenv(WAIT_NICE_ENV, "5")
+    store = MooncakeStore(settings(master))
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        theirs = store._run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert theirs == min(mine + 5, 19)
+        cols = {"a": Ragged.from_lengths(np.arange(10, dtype=np.int32), [3, 0, 7])}
+        ref = store.put(cols, key="conf/niced")
+        assert store.get(ref)["a"][2].tolist() == list(range(3, 10))
+        store.remove([ref])
+    finally:
+        store.close()
+    assert store._waiter.pool._shutdown
