@@ -8,9 +8,11 @@ One-step off-policy: batch N+1 is generated while the learners train on batch N,
 sampled by weights one version behind the learner; weights are pushed once that generation
 has finished, so an engine never serves half-updated weights.
 
-Fully async: the engines generate batch after batch into a queue of store refs bounded by
-``rollout.max_inflight_batches``; a weight sync pauses them (requests in flight wait) and
-continues them. Samples more than ``algo.max_staleness`` versions old are dropped and
+Fully async: the engines stream groups (one prompt's answers each), and every
+``rollout.prompts_per_step`` groups that finish form a batch, queued as store refs; a group
+starts only if the store has room (``rollout.max_inflight_batches``) and it can be trained
+within ``algo.max_staleness`` versions. A weight sync pauses the engines (requests in
+flight wait) and continues them. Samples that still end up too stale are dropped and
 counted; ``samples.jsonl`` records what became of every generated sample.
 
 Either way ``algo.tis_cap`` reweights stale tokens by the truncated importance ratio
@@ -76,7 +78,7 @@ def fully_async(cfg, cluster, logger, runtime) -> None:
                 metrics = learners.train(ref)
             with timer("update_weights"), rollout.paused():  # no forward pass mid-update
                 weights = cluster.push_weights(version=step + 1)
-            rollout.release(ref, step)  # its queue slot: the next batch starts on new weights
+            rollout.release(ref, step)  # version moves on: the next groups are admitted
             logger.log(step, step_metrics(step, ref, metrics, weights, timer))
             if checkpoint_due(cfg, step + 1):  # queued batches are generated again on resume
                 maybe_save(cfg, runtime, cluster, step + 1, rollout_state=rollout.resume_position())

@@ -119,6 +119,8 @@ class RolloutRef:
     """The batch's samples have ids ``first_sample_id + i``, i in batch order."""
     weight_versions: list[int] = field(default_factory=list)
     """Weight version that generated sample i (batch order); -1 = the engine's initial weights."""
+    prompt_indices: list[int] = field(default_factory=list)
+    """The task's index of each prompt of the batch, one per group, in batch order."""
     min_version: int | None = None
     """Set when handed out for training: samples of older weights are dropped (too stale)."""
 

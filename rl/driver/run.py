@@ -214,7 +214,7 @@ def write_sample_ledger(runtime: Runtime, ledger: list[dict] | None) -> dict[str
     if ledger is None:
         logger.warning("samples: no ledger (the rollout manager did not answer)")
         return {}
-    counts = Counter(o or "unfinished" for entry in ledger for o in entry["outcome"])
+    counts = Counter(o for entry in ledger for o in entry["outcome"])
     # appended: a resumed run (same output_dir) adds its batches after the dead run's
     with open(os.path.join(runtime.output_dir, "samples.jsonl"), "a") as f:
         for entry in ledger:

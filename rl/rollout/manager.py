@@ -56,6 +56,9 @@ class RolloutManager:
         self._closed = False
         self._stream: Stream | None = None
         self._shown_prompt = False
+        self._skip: set[int] = set()
+        """Prompt indices ahead of the data position that a resumed run must not draw again
+        (fully async trains groups in the order they finish, not the order they started)."""
 
     def set_readers(self, locations: list[str | None]) -> None:
         """Each learner rank's store ``location`` (the driver sends them once the ranks are
@@ -79,7 +82,21 @@ class RolloutManager:
         t0 = time.perf_counter()
         with self._lock:
             prompts = self.task.next_prompts(rc.prompts_per_step)
-        sampling = rc.sampling_params()
+        prompt_ids = self.encode(prompts)
+        retried = self.pool.retried
+        try:
+            answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
+                                                  rc.sampling_params(), rc.request_timeout_s,
+                                                  label=f"step {step}", stop=stop))
+        except EngineError:
+            self.raise_if_all_down()
+            raise
+        return self.store_batch(step, prompts, prompt_ids, answers, started=started,
+                                gen_s=time.perf_counter() - t0, retried=self.pool.retried - retried)
+
+    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
+        """The prompts' token ids as the engines get them (too long: a clear error)."""
+        rc = self.cfg.rollout
         prompt_ids = [encode_prompt(self.tokenizer, p.text, self.cfg.model.chat_template)
                       for p in prompts]
         if not self._shown_prompt:  # what the engines really get, once a run (templates go wrong quietly)
@@ -90,16 +107,17 @@ class RolloutManager:
         if too_long:
             raise ValueError(f"{len(too_long)} prompt(s) of up to {max(too_long)} tokens exceed "
                              f"rollout.max_prompt_tokens={rc.max_prompt_tokens}; raise it")
-        retried = self.pool.retried
-        try:
-            answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
-                                                  sampling, rc.request_timeout_s, label=f"step {step}",
-                                                  stop=stop))
-        except EngineError:
-            if self.pool.retry and not self.fleet.engines.live():  # every engine down: say how each ended
-                raise RuntimeError("every engine is down:\n" + self.fleet.describe()) from None
-            raise
-        gen_s = time.perf_counter() - t0
+        return prompt_ids
+
+    def raise_if_all_down(self) -> None:
+        if self.pool.retry and not self.fleet.engines.live():  # every engine down: say how each ended
+            raise RuntimeError("every engine is down:\n" + self.fleet.describe()) from None
+
+    def store_batch(self, step: int, prompts: list[Prompt], prompt_ids: list[list[int]],
+                    answers: list[list[dict]], *, started: float, gen_s: float,
+                    retried: int) -> RolloutRef:
+        """Score, build, partition and store one batch of answered groups; returns its ref."""
+        rc = self.cfg.rollout
         with self._lock:
             batch = self._build_batch(prompts, prompt_ids, answers)
         zero_std = zero_std_groups(batch, rc.n_samples_per_prompt, drop=self.cfg.algo.drop_zero_std_groups)
@@ -114,7 +132,7 @@ class RolloutManager:
             "rollout/truncated_frac": float(np.mean([f != "stop" for f in batch.finish_reason])),
             "rollout/zero_std_groups": float(zero_std),
             "rollout/generate_time": gen_s,
-            "rollout/retried_requests": float(self.pool.retried - retried),
+            "rollout/retried_requests": float(retried),
             "rollout/samples_per_s": len(batch) / max(gen_s, 1e-9),
             "rollout/weight_version_min": float(batch.weight_version.min()),
             "rollout/weight_version_mean": float(batch.weight_version.mean()),
@@ -127,7 +145,8 @@ class RolloutManager:
         return RolloutRef(step=step, partitions=refs, num_samples=len(batch),
                           num_loss_tokens=batch.num_loss_tokens, stats=stats,
                           first_sample_id=int(batch.sample_id[0]),
-                          weight_versions=batch.weight_version.tolist())
+                          weight_versions=batch.weight_version.tolist(),
+                          prompt_indices=[p.index for p in prompts])
 
     def _build_batch(self, prompts: list[Prompt], prompt_ids: list[list[int]],
                      answers: list[list[dict]]) -> RolloutBatch:
@@ -157,12 +176,25 @@ class RolloutManager:
     # -- bookkeeping ---------------------------------------------------------------------
     def state_dict(self) -> dict:
         with self._lock:
-            return {"task": self.task.state_dict(), "next_sample_id": self.next_sample_id}
+            return {"task": self.task.state_dict(), "next_sample_id": self.next_sample_id,
+                    "skip": sorted(self._skip)}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self.task.load_state_dict(state["task"])
             self.next_sample_id = int(state["next_sample_id"])
+            self._skip = set(state.get("skip", ()))
+
+    def draw_prompt(self) -> tuple[Prompt, dict]:
+        """The next prompt (fully async draws one group at a time) and the data position
+        before it; prompts a checkpoint recorded as done already (``skip``) are passed over."""
+        with self._lock:
+            while True:
+                position = self.task.state_dict()
+                [prompt] = self.task.next_prompts(1)
+                if prompt.index not in self._skip:
+                    return prompt, position
+                self._skip.discard(prompt.index)
 
     def pause(self) -> None:
         """Every engine stops scheduling forward passes (requests in flight are kept)."""
@@ -194,7 +226,8 @@ class RolloutManager:
     def start_stream(self, first_step: int) -> None:
         if self._stream is not None:
             raise RuntimeError("the rollout stream is already running")
-        self._stream = Stream(self, first_step, self.cfg.rollout.max_inflight_batches)
+        self._stream = Stream(self, first_step, self.cfg.rollout.max_inflight_batches,
+                              self.cfg.algo.max_staleness)
 
     def next_batch(self, step: int) -> RolloutRef:
         return self._stream.next_batch(step, self.cfg.algo.max_staleness)

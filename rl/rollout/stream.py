@@ -1,75 +1,153 @@
-"""Fully async rollout (``train_async.py rollout.fully_async=true``): batches generated one
-after another on a thread of the rollout manager, queued as store refs.
+"""Fully async rollout (``train_async.py rollout.fully_async=true``): groups streamed one by
+one on a thread of the rollout manager, batches formed from the first groups that finish,
+queued as store refs.
 
-The driver takes them with ``RolloutManager.next_batch`` (too-stale samples dropped and
-counted) and gives each slot back with ``release`` after the weight sync, so the next batch
-starts on the new weights.
+A group (one prompt, ``n_samples_per_prompt`` answers, one request) is **admitted** only when
+
+* it fits the store: groups admitted and not yet handed out stay within
+  ``rollout.max_inflight_batches`` batches, so the store never holds more than that many;
+* it can be trained within ``algo.max_staleness`` versions: batch ``b`` is trained by the
+  weights of version ``b``, so under version ``V`` at most ``(V + max_staleness + 1) *
+  prompts_per_step`` groups may have started (AReaL's admission rule). Staleness is bounded
+  when a group starts, not by throwing its samples away once generated.
+
+Admitted groups run concurrently on the engines (each request to the least-loaded live
+engine); every ``prompts_per_step`` groups that finish form a batch, in the order they
+finish, so the slowest answers of a batch no longer hold the engines idle. A group that
+finishes later than the groups admitted after it lands in a later batch than admission
+assumed; if that makes it too stale, ``next_batch`` still drops its samples (the safety net,
+counted in ``async/dropped_samples``).
+
+The driver takes batches with ``next_batch`` and calls ``release`` after the weight sync
+that follows a batch's training step: the version moves on and the batch's place in the
+store is free, which admits the next groups.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import threading
+import time
 
 import numpy as np
 
-from rl.rollout.fanout import Stopped
+from rl.rollout.client import EngineError
 from rl.types import RolloutRef
 
 logger = logging.getLogger(__name__)
 
+OUTCOMES = ("trained", "stale", "end_of_run", "interrupted")
+"""What became of a stored sample (``samples.jsonl``): trained at a step; dropped as older than
+``algo.max_staleness``; still queued when the run ended; or in the batch being trained when
+the run was stopped (Ctrl-C or an error), its step not finished."""
+
 
 class Stream:
-    """Fully async rollout: batches are generated one after another on a thread and queued
-    as store refs. A slot of ``max_inflight`` is taken before a batch starts and given back
-    by ``release`` (after the weight sync that follows its training step) or when it is
-    dropped, so the store never holds more than ``max_inflight`` batches and a sample is at
-    most ``max_inflight - 1`` versions older than the weights it is trained against.
+    """The group stream of fully async rollout (see the module docstring).
 
-    The ledger has one entry per stored batch: each sample's outcome is ``trained`` (with
-    the step), ``stale`` (older than ``algo.max_staleness`` allows) or ``end_of_run`` (still
-    queued when the run ended); a generation abandoned at the end stores nothing."""
+    The ledger has one entry per stored batch: its prompts, first sample id, each sample's
+    weight version and outcome (``OUTCOMES``), and the step it was trained at. Groups still
+    generating, or finished but not yet a whole batch, when the run ends are never stored and
+    not in the ledger; a resumed run draws their prompts again (``resume_position``)."""
 
-    def __init__(self, manager, first_step: int, max_inflight: int) -> None:
+    def __init__(self, manager, first_step: int, max_inflight: int, max_staleness: int) -> None:
         self.manager = manager
-        self.slots = threading.Semaphore(max_inflight)
+        self.per_batch = manager.cfg.rollout.prompts_per_step
+        self.max_inflight = max_inflight
+        self.max_staleness = max_staleness
+        self.version = first_step
+        """The weights the engines hold (the driver pushed ``first_step`` before starting)."""
+        self.released = first_step
+        """Batches handed out and finished with (trained or dropped): their store place is free."""
+        self.admitted = first_step * self.per_batch
+        """Groups admitted, counted from the run's first step."""
         self.ready: collections.deque[RolloutRef] = collections.deque()
         self.cond = threading.Condition()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.ledger: dict[int, dict] = {}  # batch index -> entry
-        self.positions: dict[int, dict] = {}  # batch index -> data position before its prompts
+        self.open_prompts: dict[int, dict] = {}
+        """Prompt index -> data position before it, for prompts drawn and not yet handed out."""
+        self.done_prompts: set[int] = set()
+        """Prompts handed out (trained or dropped) ahead of the oldest open one."""
         self.dropped_total = 0
         self.thread = threading.Thread(target=self._produce, args=(first_step,),
                                        name="rollout-stream", daemon=True)
         self.thread.start()
 
+    # -- the generation thread ---------------------------------------------------------
+    def may_admit(self) -> bool:
+        with self.cond:
+            limit = min(self.released + self.max_inflight, self.version + self.max_staleness + 1)
+            return self.admitted < limit * self.per_batch
+
     def _produce(self, step: int) -> None:
         try:
-            while not self.stopping.is_set():
-                if not self.slots.acquire(timeout=0.2):
-                    continue
-                with self.cond:
-                    self.positions[step] = self.manager.state_dict()
-                ref = self.manager.generate(step, stop=self.stopping)
-                with self.cond:
-                    self.ledger[step] = {"batch": step, "first_sample_id": ref.first_sample_id,
-                                         "weight_version": ref.weight_versions,
-                                         "outcome": [None] * ref.num_samples, "trained_at_step": None}
-                    self.ready.append(ref)
-                    self.cond.notify_all()
-                step += 1
-        except Stopped:
-            pass
+            asyncio.run(self._generate(step))
         except Exception as e:  # handed to the driver by next_batch
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
 
+    async def _generate(self, step: int) -> None:
+        import aiohttp  # start-up cost: only the manager's process generates
+
+        m, rc = self.manager, self.manager.cfg.rollout
+        params = {**rc.sampling_params(), "n": rc.n_samples_per_prompt}
+        pending: dict[asyncio.Future, tuple] = {}  # request -> (prompt, ids, started at)
+        finished: list[tuple] = []  # groups answered, not yet a whole batch
+        retried = m.pool.retried
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            try:
+                while not self.stopping.is_set():
+                    while self.may_admit():
+                        prompt, position = m.draw_prompt()
+                        [ids] = m.encode([prompt])
+                        with self.cond:
+                            self.open_prompts[prompt.index] = position
+                            self.admitted += 1
+                        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+                        request = asyncio.ensure_future(
+                            m.pool.generate(session, payload, rc.request_timeout_s))
+                        pending[request] = (prompt, ids, time.time())
+                    if not pending:
+                        await asyncio.sleep(0.05)  # waiting for a release to admit more
+                        continue
+                    done, _ = await asyncio.wait(pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                    for request in done:
+                        prompt, ids, started = pending.pop(request)
+                        try:
+                            finished.append((prompt, ids, request.result(), started))
+                        except EngineError:
+                            m.raise_if_all_down()
+                            raise
+                    while len(finished) >= self.per_batch:
+                        groups, finished = finished[:self.per_batch], finished[self.per_batch:]
+                        started = min(g[3] for g in groups)
+                        ref = m.store_batch(step, [g[0] for g in groups], [g[1] for g in groups],
+                                            [g[2] for g in groups], started=started,
+                                            gen_s=time.time() - started, retried=m.pool.retried - retried)
+                        retried = m.pool.retried
+                        with self.cond:
+                            self.ledger[step] = {"batch": step, "prompts": ref.prompt_indices,
+                                                 "first_sample_id": ref.first_sample_id,
+                                                 "weight_version": ref.weight_versions,
+                                                 "outcome": [None] * ref.num_samples,
+                                                 "trained_at_step": None}
+                            self.ready.append(ref)
+                            self.cond.notify_all()
+                        step += 1
+            finally:  # stopping, or a request failed: no request outlives the stream
+                for request in pending:
+                    request.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- the driver's side ---------------------------------------------------------------
     def next_batch(self, step: int, max_staleness: int) -> RolloutRef:
         """The oldest queued batch with a sample fresh enough for ``step``; batches with none
-        are dropped on the way (removed from the store, their slot given back)."""
+        are dropped on the way (removed from the store, their place given back)."""
         min_version = step - max_staleness
         dropped = 0
         while True:
@@ -82,7 +160,11 @@ class Stream:
                     self.cond.wait(timeout=1.0)
                 ref = self.ready.popleft()
                 depth = len(self.ready)
-                self.positions.pop(ref.step)
+                for index in ref.prompt_indices:
+                    self.open_prompts.pop(index, None)
+                    self.done_prompts.add(index)
+                oldest = min(self.open_prompts, default=None)
+                self.done_prompts = {i for i in self.done_prompts if oldest is not None and i > oldest}
             ref.min_version = min_version
             kept = ref.kept()
             entry = self.ledger[ref.step]
@@ -92,7 +174,8 @@ class Stream:
             if kept.any():
                 break
             self.manager.store.remove(ref.partitions)
-            self.slots.release()
+            with self.cond:
+                self.released += 1
         self.dropped_total += dropped
         lag = step - np.asarray(ref.weight_versions)[kept]
         ref.stats.update({"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
@@ -101,20 +184,33 @@ class Stream:
                           "async/queue_depth": float(depth)})
         return ref
 
-    def resume_position(self) -> dict:
-        """The data position a resumed run starts from: before the oldest batch not yet
-        handed out (queued batches are generated again after a resume)."""
-        with self.cond:
-            return self.positions[min(self.positions)] if self.positions else self.manager.state_dict()
-
     def release(self, ref: RolloutRef, step: int) -> None:
-        """``ref`` was trained on at ``step`` (its data is already removed): record it, free
-        its slot."""
+        """``ref`` was trained on at ``step`` and the weights of ``step + 1`` are on the
+        engines: record it, move the version on, free its place (admits the next groups)."""
         with self.cond:
             entry = self.ledger[ref.step]
             entry["trained_at_step"] = step
             entry["outcome"] = [o or "trained" for o in entry["outcome"]]
-        self.slots.release()
+            self.released += 1
+            self.version = max(self.version, step + 1)
+
+    def resume_position(self) -> dict:
+        """The manager's state for a checkpoint taken now: the data position before the
+        oldest prompt not yet handed out, the prompts after it that were (so a resumed run
+        draws each of them never again), and the first sample id not yet handed out."""
+        m = self.manager
+        with self.cond:
+            state = m.state_dict()
+            if self.open_prompts:
+                oldest = min(self.open_prompts)
+                state["task"] = self.open_prompts[oldest]
+            else:
+                oldest = None
+            if oldest is not None:  # done prompts below the oldest open one need no entry
+                state["skip"] = sorted(i for i in set(state["skip"]) | self.done_prompts if i > oldest)
+            if self.ready:
+                state["next_sample_id"] = self.ready[0].first_sample_id
+        return state
 
     def stop(self) -> list[dict]:
         self.stopping.set()
@@ -129,4 +225,6 @@ class Stream:
             entry = self.ledger[ref.step]
             entry["outcome"] = [o or "end_of_run" for o in entry["outcome"]]
             self.manager.store.remove(ref.partitions)
+        for entry in self.ledger.values():  # handed out, its step cut short
+            entry["outcome"] = [o or "interrupted" for o in entry["outcome"]]
         return [self.ledger[k] for k in sorted(self.ledger)]

@@ -75,7 +75,9 @@ def check_ledger(ledger: list[dict], rows: list[dict], stdout: str, max_stalenes
     ids = [e["first_sample_id"] + i for e in ledger for i in range(len(e["outcome"]))]
     assert ids == list(range(first, first + len(ids)))  # each sample once, none missing
     outcomes = Counter(o for e in ledger for o in e["outcome"])
-    assert set(outcomes) <= {"trained", "stale", "end_of_run"}, outcomes
+    assert set(outcomes) <= {"trained", "stale", "end_of_run"}, outcomes  # a whole run: none interrupted
+    prompts = [p for e in ledger for p in e.get("prompts", [])]
+    assert len(prompts) == len(set(prompts))  # no prompt generated into two stored batches
     trained_per_step = Counter()
     for e in ledger:
         for v, o in zip(e["weight_version"], e["outcome"]):
