@@ -16,7 +16,7 @@ flight wait) and continues them. Samples that still end up too stale are dropped
 counted; ``samples.jsonl`` records what became of every generated sample.
 
 Either way ``algo.tis_cap`` reweights stale tokens by the truncated importance ratio
-against the engines' log-probs.
+against the engines' log-probs, and ``algo.is_mask`` can mask them out (docs/algo.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,18 @@
-"""The learner's loss math: the PPO clipped loss, KL estimators, entropy and loss
-aggregation (the GRPO advantages are computed on the rollout side: ``rl.rollout.batch``).
+"""The learner's loss math: the PPO clipped loss, KL estimators, entropy, loss aggregation,
+and the off-policy correction against the engines' log-probs (truncated and masked importance
+sampling, with its diagnostics). The GRPO advantages are computed on the rollout side:
+``rl.rollout.batch``.
 
 Shapes are in the names: ``_b`` per sample, ``_bt`` per sample and token position.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from rl.config import KL_ESTIMATORS, LOSS_AGGS  # listed there: validating a config needs no torch
+from rl.config import IS_MASKS, KL_ESTIMATORS, LOSS_AGGS  # listed there: validating a config needs no torch
 
 
 def policy_loss_bt(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torch.Tensor,
@@ -109,3 +113,86 @@ def token_logprobs(logits_btv: torch.Tensor, targets_bt: torch.Tensor,
         logits_btv = logits_btv / temperature
     logz_bt = torch.logsumexp(logits_btv, dim=-1)
     return logits_btv.gather(-1, targets_bt[..., None]).squeeze(-1) - logz_bt
+
+
+# -- off-policy correction: learner (behaviour) vs engine log-probs ----------------------------
+IS_STAT_LOG_BOUND = 20.0
+"""The importance-sampling statistics clamp log ratios to +-this (as verl's rollout correction
+does): one token the engine found e^-100 times less likely than the learner must not turn the
+sums into inf or the ESS into NaN; ``train/is_weight_max`` reads at most e^20 (about 4.9e8)."""
+
+
+def is_log_ratio_bt(logp_bt: torch.Tensor, engine_logp_bt: torch.Tensor,
+                    mask_bt: torch.Tensor) -> torch.Tensor:
+    """``log w = logp - engine_logp`` at loss tokens, 0 (ratio 1) elsewhere, so that no pad
+    position ever reaches an ``exp``."""
+    return torch.where(mask_bt != 0, logp_bt - engine_logp_bt, torch.zeros_like(logp_bt))
+
+
+def seq_log_ratio_b(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    """Each sequence's log ratio: the mean of its tokens' log ratios over its loss tokens, i.e.
+    the log of the geometric mean of their ratios (length-normalised: the product of the
+    ratios would punish long answers for their length alone); 0 without loss tokens."""
+    loss_bt = (mask_bt != 0).to(log_ratio_bt.dtype)
+    return (log_ratio_bt * loss_bt).sum(-1) / loss_bt.sum(-1).clamp(min=1)
+
+
+def is_keep_bt(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, mode: str, low: float,
+               high: float) -> torch.Tensor:
+    """Masked importance sampling: 1 where a token stays in the policy loss, 0 where it is
+    masked out. ``token``: its ratio ``w`` is outside ``[low, high]``; ``sequence``: its
+    sequence's geometric-mean ratio (``seq_log_ratio_b``) is; ``none``: nothing is masked.
+    Compared in log space, so a huge ratio never overflows; the band is inclusive."""
+    if mode == "none":
+        return torch.ones_like(log_ratio_bt)
+    log_low = math.log(low) if low > 0 else -math.inf
+    log_high = math.log(high)
+    if mode == "token":
+        x = log_ratio_bt
+    elif mode == "sequence":
+        x = seq_log_ratio_b(log_ratio_bt, mask_bt)[:, None].expand_as(log_ratio_bt)
+    else:
+        raise ValueError(f"unknown importance-sampling mask {mode!r}; use one of {IS_MASKS}")
+    return ((x >= log_low) & (x <= log_high)).to(log_ratio_bt.dtype)
+
+
+def is_weight_bt(log_ratio_bt: torch.Tensor, keep_bt: torch.Tensor, tis_cap: float) -> torch.Tensor:
+    """The weight of each token's policy loss: masked first (``keep_bt``), then the rest
+    truncated at ``tis_cap`` (``min(w, tis_cap)``; 0 = no truncation, weight 1)."""
+    if tis_cap <= 0:
+        return keep_bt
+    return keep_bt * torch.exp(log_ratio_bt).clamp(max=tis_cap)  # exp -> inf is capped too
+
+
+def is_stat_sums(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, keep_bt: torch.Tensor,
+                 tis_cap: float) -> dict[str, float]:
+    """Sums over the loss tokens (``mask_bt != 0``) of the raw ratio ``w = exp(log_ratio)``,
+    to be added over micro-batches and ranks (``is_max``: take the max), in float64 with log
+    ratios clamped to +-``IS_STAT_LOG_BOUND``:
+
+    - ``is_w``, ``is_w2``, ``is_n``, ``is_max``: sum of w, sum of w^2, loss tokens, largest w
+      (0 without loss tokens);
+    - ``is_truncated``: tokens kept by the mask whose w exceeds ``tis_cap`` (0 when TIS is off);
+    - ``is_masked``: tokens ``keep_bt`` masks out;
+    - ``engine_kl``: sum of the k3 estimate of KL(engine || learner) from the engines' samples,
+      ``w - 1 - log w`` (each term >= 0; its mean is unbiased since ``E_engine[w] = 1``).
+    """
+    loss_bt = mask_bt != 0
+    raw = log_ratio_bt.detach()[loss_bt].double()
+    log_w = raw.clamp(-IS_STAT_LOG_BOUND, IS_STAT_LOG_BOUND)
+    keep = keep_bt.detach()[loss_bt] != 0
+    w = torch.exp(log_w)
+    return {"is_w": float(w.sum()), "is_w2": float((w * w).sum()), "is_n": float(w.numel()),
+            "is_max": float(w.max()) if w.numel() else 0.0,
+            "is_truncated": float((keep & (raw > math.log(tis_cap))).sum()) if tis_cap > 0 else 0.0,
+            "is_masked": float((~keep).sum()),
+            "engine_kl": float((w - 1 - log_w).sum())}
+
+
+def effective_sample_size(sum_w: float, sum_w2: float, n: float) -> float:
+    """Normalised effective sample size of importance weights, ``(sum w)^2 / (n * sum w^2)``, in
+    (0, 1]: 1 when every weight is equal (on-policy), about 1/n when one weight dominates.
+    1 when there is nothing to weigh (n = 0)."""
+    if n <= 0 or sum_w2 <= 0:
+        return 1.0
+    return sum_w * sum_w / (n * sum_w2)

@@ -31,26 +31,26 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from rl.config import algo, cluster, logger, model, rollout, task, transfer, weights
-from rl.config.algo import KL_ESTIMATORS, LOSS_AGGS, AlgoConfig
+from rl.config.algo import IS_MASKS, KL_ESTIMATORS, LOSS_AGGS, AlgoConfig
 from rl.config.checkpoint import CheckpointConfig
 from rl.config.checks import parse_size, positive
 from rl.config.cluster import ClusterConfig
 from rl.config.logger import LoggerConfig
 from rl.config.model import DTYPE_BYTES, ModelConfig, TinyModelConfig
 from rl.config.rollout import HFRolloutConfig, RolloutConfig, SGLangRolloutConfig
-from rl.config.task import (AdditionTaskConfig, JsonlTaskConfig, RepeatLetterTaskConfig,
-                            TaskConfig)
+from rl.config.task import (AdditionTaskConfig, JsonlTaskConfig, RepeatCountTaskConfig,
+                            RepeatLetterTaskConfig, TaskConfig)
 from rl.config.transfer import MooncakeTransferConfig, RayTransferConfig, TransferConfig
 from rl.config.weights import BroadcastWeightsConfig, P2PWeightsConfig, WeightsConfig
 from rl.log import LEVELS
 
 __all__ = [
-    "DTYPE_BYTES", "KL_ESTIMATORS", "LOSS_AGGS", "AdditionTaskConfig", "AlgoConfig", "BroadcastWeightsConfig",
-    "CheckpointConfig", "ClusterConfig", "Config", "HFRolloutConfig", "JsonlTaskConfig",
-    "LoggerConfig", "ModelConfig", "MooncakeTransferConfig", "P2PWeightsConfig",
-    "RayTransferConfig", "RepeatLetterTaskConfig", "RolloutConfig", "SGLangRolloutConfig",
-    "TaskConfig", "TinyModelConfig", "TransferConfig", "WeightsConfig", "compose", "load", "parse_size",
-    "register_configs"]
+    "DTYPE_BYTES", "IS_MASKS", "KL_ESTIMATORS", "LOSS_AGGS", "AdditionTaskConfig", "AlgoConfig",
+    "BroadcastWeightsConfig", "CheckpointConfig", "ClusterConfig", "Config", "HFRolloutConfig",
+    "JsonlTaskConfig", "LoggerConfig", "ModelConfig", "MooncakeTransferConfig", "P2PWeightsConfig",
+    "RayTransferConfig", "RepeatCountTaskConfig", "RepeatLetterTaskConfig", "RolloutConfig",
+    "SGLangRolloutConfig", "TaskConfig", "TinyModelConfig", "TransferConfig", "WeightsConfig", "compose",
+    "load", "parse_size", "register_configs"]
 
 
 @dataclass(kw_only=True)
@@ -91,6 +91,7 @@ class Config:
                 f"mini-batch needs at least one sample per rank")
         self.rollout.check_cluster(self.cluster)  # each engine kind knows what it needs
         self.rollout.check_model(self.model)
+        self.task.check_rollout(self.rollout)  # and each task what its answers need
 
     def check_async(self) -> None:
         """What ``train_async.py`` needs beyond ``train.py`` (raised before any worker starts)."""

@@ -4,11 +4,14 @@ built from its schema by ``rl.tasks.build.build_task``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING, DictConfig
 
 from rl.config.checks import positive
+
+if TYPE_CHECKING:
+    from rl.config.rollout import RolloutConfig
 
 
 @dataclass(kw_only=True)
@@ -19,6 +22,10 @@ class TaskConfig:
     seed: int = 0
     """Seed of the prompt stream."""
 
+    def check_rollout(self, rollout: "RolloutConfig") -> None:
+        """Cross-check with the sampling settings (called by the root config): what this
+        task's answers need of ``rollout.max_new_tokens``."""
+
 
 @dataclass(kw_only=True)
 class RepeatLetterTaskConfig(TaskConfig):
@@ -28,6 +35,33 @@ class RepeatLetterTaskConfig(TaskConfig):
 
     def __post_init__(self) -> None:
         positive(self, "repeat")
+
+
+@dataclass(kw_only=True)
+class RepeatCountTaskConfig(TaskConfig):
+    name: str = "repeat_count"
+    min_repeat: int = 1
+    """Shortest answer, in letters (``c1:`` -> ``c``)."""
+    max_repeat: int = 40
+    """Longest answer, in letters (``c40:`` -> 40 c's); lengths are drawn uniformly in between.
+    ``rollout.max_new_tokens`` must hold it plus the end-of-sequence token."""
+
+    def __post_init__(self) -> None:
+        positive(self, "min_repeat")
+        if self.max_repeat < self.min_repeat:
+            raise ValueError(f"task.max_repeat={self.max_repeat} is below task.min_repeat="
+                             f"{self.min_repeat}; raise it or lower task.min_repeat")
+
+    def check_rollout(self, rollout: "RolloutConfig") -> None:
+        # One token per letter with the tiny model's tokenizer (more letters per token with
+        # a BPE one, so this bound is safe there too), plus the end-of-sequence token that
+        # earns any reward: a shorter budget leaves the longest answers unfinished, reward 0.
+        need = self.max_repeat + 1
+        if rollout.max_new_tokens < need:
+            raise ValueError(f"task=repeat_count answers reach task.max_repeat={self.max_repeat} "
+                             f"letters plus the end-of-sequence token; rollout.max_new_tokens="
+                             f"{rollout.max_new_tokens} is too short: set rollout.max_new_tokens="
+                             f"{need} (or more), or lower task.max_repeat")
 
 
 @dataclass(kw_only=True)
@@ -57,6 +91,6 @@ class JsonlTaskConfig(TaskConfig):
         self.reward = reward
 
 
-SCHEMAS: dict[str, type] = {"repeat_letter": RepeatLetterTaskConfig, "addition": AdditionTaskConfig,
-                            "jsonl": JsonlTaskConfig}
+SCHEMAS: dict[str, type] = {"repeat_letter": RepeatLetterTaskConfig, "repeat_count": RepeatCountTaskConfig,
+                            "addition": AdditionTaskConfig, "jsonl": JsonlTaskConfig}
 """Schema of each task (``schema/task/<key>``)."""

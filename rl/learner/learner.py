@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from rl.algo import agg_count, agg_sum, entropy_bt, kl_penalty_bt, policy_loss_bt, token_logprobs
+from rl.algo import (agg_count, agg_sum, effective_sample_size, entropy_bt, is_keep_bt, is_log_ratio_bt,
+                     is_stat_sums, is_weight_bt, kl_penalty_bt, policy_loss_bt, token_logprobs)
 from rl.backends import data_path, weight_path
 from rl.config import Config
 from rl.learner import checkpoint
@@ -29,6 +30,10 @@ from transfer.data.base import Ragged
 from transfer.net import free_port
 from transfer.weights.base import full_tensor
 
+SUM_KEYS = ("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff", "tis_mean", "tokens",
+            "is_w", "is_w2", "is_n", "is_truncated", "is_masked", "engine_kl")
+"""What ``accumulate_grads`` sums over micro-batches (and ``train_batch`` over steps and ranks);
+``is_max`` beside them is a max."""
 
 
 class Learner:
@@ -157,7 +162,8 @@ class Learner:
         """``algo.steps_per_rollout`` optimizer steps on this rank's partition, one per
         mini-batch (all ranks call it together, with partitions of equal size). The
         behaviour log-probs (the weights this rollout's step starts from) are computed once,
-        before the first step; every step's ratio, clip and TIS weight work from them."""
+        before the first step; every step's ratio and clip, and the importance weights
+        against the engines' log-probs, work from them."""
         a = self.cfg.algo
         t0 = time.perf_counter()
         old_logp, old_s = None, 0.0  # one step: the behaviour policy is the current one
@@ -184,12 +190,13 @@ class Learner:
             self.optimizer.step()
             steps += 1
             sums["loss"] /= count  # this mini-batch's loss, summed over ranks below
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0.0) + v
+            for k in SUM_KEYS:
+                totals[k] = totals.get(k, 0.0) + sums[k]
+            totals["is_max"] = max(totals.get("is_max", 0.0), sums["is_max"])
         self.scheduler.step()  # the LR schedule counts rollouts
-        keys = ("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff", "tis_mean", "tokens")
-        g = dict(zip(keys, self._all_reduce([totals.get(k, 0.0) for k in keys])))
-        tok = max(g["tokens"], 1.0)
+        g = dict(zip(SUM_KEYS, self._all_reduce([totals.get(k, 0.0) for k in SUM_KEYS])))
+        [is_max] = self._all_reduce([totals.get("is_max", 0.0)], "max")
+        tok, n = max(g["tokens"], 1.0), g["is_n"]
         return {
             "train/loss": g["loss"] / max(steps, 1),
             "train/clipfrac": g["clipped"] / tok,
@@ -198,6 +205,14 @@ class Learner:
             "train/entropy": g["entropy"] / tok,
             "train/logp_diff": g["logp_diff"] / tok,
             "train/tis_mean": g["tis_mean"] / tok,
+            # importance weights w = exp(logp_behaviour - logp_engine) over the step's loss
+            # tokens on all ranks; without any, the on-policy values (1, and fractions 0)
+            "train/is_weight_mean": g["is_w"] / n if n else 1.0,
+            "train/is_weight_max": is_max if n else 1.0,
+            "train/is_ess": effective_sample_size(g["is_w"], g["is_w2"], n),
+            "train/is_truncated_frac": g["is_truncated"] / max(n, 1.0),
+            "train/is_masked_frac": g["is_masked"] / max(n, 1.0),
+            "train/engine_kl": g["engine_kl"] / max(n, 1.0),
             "train/optimizer_steps": float(steps),
             "train/grad_norm": grad_norm / max(steps, 1),
             "train/lr": self.scheduler.get_last_lr()[0],
@@ -235,8 +250,7 @@ class Learner:
         n, mbs, max_len = len(batch), a.micro_batch_size, self.cfg.rollout.max_new_tokens
         scale = self.world_size / count  # FSDP averages gradients over ranks
         clip_high = a.clip_eps_high if a.clip_eps_high is not None else a.clip_eps
-        sums = dict.fromkeys(("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff",
-                              "tis_mean", "tokens"), 0.0)
+        sums = dict.fromkeys(SUM_KEYS + ("is_max",), 0.0)
         for start in range(0, n, mbs):
             sel = np.arange(start, min(start + mbs, n))
             mb = self._pack(batch.select(sel), None if old_logp is None else old_logp.take(sel))
@@ -247,16 +261,20 @@ class Learner:
             # to the current ones there, so that no exp() of a pad position overflows.
             old_bt = (logp_bt.detach() if old_logp is None
                       else torch.where(mask_bt != 0, mb["old_logp"], logp_bt.detach()))
-            # Samples the engines drew from other weights (async, or engine/learner numerics)
-            # can be reweighted by the truncated importance ratio behaviour/engine.
-            weight_bt = mask_bt
+            # Samples the engines drew from other weights (async) or other numerics: the ratio
+            # w = behaviour / engine per token masks tokens or sequences out of the policy loss
+            # (algo.is_mask) and truncates the rest (algo.tis_cap). The weight multiplies the
+            # token losses, not the mask: masked tokens stay in the normaliser.
+            log_w_bt = is_log_ratio_bt(old_bt, mb["rollout_logp"], mask_bt)
+            keep_bt = is_keep_bt(log_w_bt, mask_bt, a.is_mask, a.is_mask_low, a.is_mask_high)
+            is_bt = is_weight_bt(log_w_bt, keep_bt, a.tis_cap)
             if a.tis_cap > 0:
-                tis_bt = torch.exp(old_bt - mb["rollout_logp"]).clamp(max=a.tis_cap)
-                weight_bt = mask_bt * tis_bt
-                sums["tis_mean"] += float((tis_bt * mask_bt).sum())
+                sums["tis_mean"] += float((is_bt * mask_bt).sum())
+            for k, v in is_stat_sums(log_w_bt, mask_bt, keep_bt, a.tis_cap).items():
+                sums[k] = max(sums[k], v) if k == "is_max" else sums[k] + v
             loss_bt, clipped_bt, approx_kl_bt = policy_loss_bt(logp_bt, old_bt, mb["adv"],
                                                                a.clip_eps, clip_high)
-            loss = agg_sum(loss_bt, weight_bt, a.loss_agg, max_len)
+            loss = agg_sum(loss_bt * is_bt, mask_bt, a.loss_agg, max_len)
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logits = self.ref_model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits

@@ -12,14 +12,19 @@ import importlib
 import os
 from typing import Callable
 
-from rl.config.task import AdditionTaskConfig, JsonlTaskConfig, RepeatLetterTaskConfig, TaskConfig
+from rl.config.task import (AdditionTaskConfig, JsonlTaskConfig, RepeatCountTaskConfig,
+                            RepeatLetterTaskConfig, TaskConfig)
 from rl.tasks import Task
-from rl.tasks.builtin import AdditionTask, RepeatLetterTask
+from rl.tasks.builtin import AdditionTask, RepeatCountTask, RepeatLetterTask
 from rl.tasks.jsonl import JsonlTask, read_rows
 
 
 def repeat_letter_task(cfg: RepeatLetterTaskConfig) -> RepeatLetterTask:
     return RepeatLetterTask(repeat=cfg.repeat, seed=cfg.seed)
+
+
+def repeat_count_task(cfg: RepeatCountTaskConfig) -> RepeatCountTask:
+    return RepeatCountTask(min_repeat=cfg.min_repeat, max_repeat=cfg.max_repeat, seed=cfg.seed)
 
 
 def addition_task(cfg: AdditionTaskConfig) -> AdditionTask:
@@ -31,6 +36,7 @@ def jsonl_task(cfg: JsonlTaskConfig) -> JsonlTask:
 
 
 BUILDERS: dict[type, Callable[..., Task]] = {RepeatLetterTaskConfig: repeat_letter_task,
+                                             RepeatCountTaskConfig: repeat_count_task,
                                              AdditionTaskConfig: addition_task,
                                              JsonlTaskConfig: jsonl_task}
 """Builder of each ``task`` schema class."""

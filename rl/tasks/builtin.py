@@ -1,6 +1,6 @@
 """Built-in verifiable tasks: prompts and graded rewards produced in code.
 
-Both give 0 reward when no end-of-sequence token was sampled: with partial credit for
+All give 0 reward when no end-of-sequence token was sampled: with partial credit for
 unfinished answers the policy never learns to stop (measured on the tiny model: stuck at
 0.5-0.8 reward).
 """
@@ -50,10 +50,32 @@ class RepeatLetterTask(_StreamTask):
         return f"{letter}:", letter * self.repeat
 
     def reward(self, response: str, label: str, finished: bool) -> float:
-        if not finished:
-            return 0.0
-        hits = sum(a == b for a, b in zip(response, label))
-        return hits / max(len(response), len(label))
+        return char_credit(response, label) if finished else 0.0
+
+
+class RepeatCountTask(_StreamTask):
+    """``c7:`` -> ``ccccccc``: the prompt names the letter and how many, from ``min_repeat`` to
+    ``max_repeat`` (uniform), so answer lengths vary from prompt to prompt (one token per
+    letter with the tiny model's tokenizer). Reward: as ``RepeatLetterTask``."""
+
+    def __init__(self, min_repeat: int = 1, max_repeat: int = 40, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.min_repeat, self.max_repeat = min_repeat, max_repeat
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        letter = rng.choice(string.ascii_lowercase)
+        count = rng.randint(self.min_repeat, self.max_repeat)
+        return f"{letter}{count}:", letter * count
+
+    def reward(self, response: str, label: str, finished: bool) -> float:
+        return char_credit(response, label) if finished else 0.0
+
+
+def char_credit(response: str, label: str) -> float:
+    """Right characters (position by position) over the longer of answer and target: a
+    response too short or too long loses credit for every missing or extra character."""
+    hits = sum(a == b for a, b in zip(response, label))
+    return hits / max(len(response), len(label), 1)
 
 
 class AdditionTask(_StreamTask):

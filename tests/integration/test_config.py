@@ -29,6 +29,7 @@ def _run_train(*args: str, timeout: float = 30, script: str = "train.py", env: d
     (["model.path=/does/not/exist"], "/does/not/exist"),
     (["model=hf"], "model=hf needs model.path"),
     (["rollout=sglang", "cluster.gpus_per_engine=1"], "rollout=sglang with model.dtype=float32"),
+    (["task=repeat_count"], "rollout.max_new_tokens=8 is too short: set rollout.max_new_tokens=41"),
 ])
 def test_cli_rejects_bad_input_before_workers_start(args, fragment):
     proc, seconds = _run_train(*args)

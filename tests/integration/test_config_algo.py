@@ -22,6 +22,7 @@ def _python() -> str:
 @pytest.mark.parametrize("args,fragment", [
     (["algo.loss_agg=foo"], "algo.loss_agg='foo'"),
     (["algo.steps_per_rollout=0"], "algo.steps_per_rollout=0 must be > 0"),
+    (["algo.is_mask=token", "algo.is_mask_high=0.5"], "need 0 <= is_mask_low <= 1 <= is_mask_high"),
 ])
 def test_cli_refuses_bad_algo_before_any_worker(args, fragment):
     t0 = time.monotonic()

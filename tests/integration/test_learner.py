@@ -1,10 +1,12 @@
 """Learner on spawned gloo ranks: 2-rank FSDP2 gradients equal the 1-rank reference, pad ids
-never reach the gradient, the truncated importance ratio and staleness mask, several steps per
-rollout clip against the behaviour policy, dropped flat groups equal training without them,
-and the KL penalty and entropy bonus match plain autograd."""
+never reach the gradient, the truncated importance ratio and staleness mask, the masked
+importance ratio and the off-policy metrics over two ranks, several steps per rollout clip
+against the behaviour policy, dropped flat groups equal training without them, and the KL
+penalty and entropy bonus match plain autograd."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -108,6 +110,149 @@ def test_truncated_is_and_staleness_mask_shape_the_gradient(ranks, tiny_path, tm
         # stale samples masked == trained on the fresh ones only (loss normalised by their tokens)
         torch.testing.assert_close(g["masked"][name], g["fresh_only"][name], rtol=1e-4, atol=1e-6)
     assert g["keep"].tolist() == [True, False, True, True, False, True, True, True]
+
+
+# -- masked importance sampling and the off-policy metrics (algo.is_mask) ---------------------
+SHIFT = math.log(2.0)  # rank 1's engine log-probs in the "split" cases: ratio w = 2 on each token
+
+
+def _is_batch(rank: int):
+    return make_batch(8, seed=10 + rank)
+
+
+def _is_worker(rank, world, port, tiny_path, out_dir):
+    """Two ranks. Engine log-probs far from the learner's (-100: w ~ e^96) under token and
+    sequence masks with a narrow band: gradients; then ``train_batch``'s metrics with engine
+    log-probs equal to the learner's own (``behaviour_logprobs`` at the current weights) on
+    rank 0 and shifted by ln 2 (w = 2) on rank 1, and equal on both."""
+    import pickle
+
+    from rl.learner.learner import Learner
+    from transfer.weights.base import full_tensor
+
+    cfg = compose(f"cluster.num_learners={world}", "algo.micro_batch_size=3")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), rank, world)
+    learner.setup("127.0.0.1", port)
+    a = learner.cfg.algo
+
+    def setting(is_mask="none", low=0.5, high=2.0, tis_cap=0.0):
+        a.is_mask, a.is_mask_low, a.is_mask_high, a.tis_cap = is_mask, low, high, tis_cap
+
+    def grads(batch):
+        learner.optimizer.zero_grad()
+        sums = learner.accumulate_grads(batch)
+        return sums, {n: full_tensor(p.grad).clone() for n, p in learner.model.named_parameters()}
+
+    def far():
+        b = _is_batch(rank)
+        engine = b.rollout_logprobs
+        b.rollout_logprobs = Ragged(np.full_like(engine.values, -100.0), engine.offsets)
+        return b
+
+    def engine_shifted(shift):
+        """Engine log-probs = the learner's own at the current weights - ``shift``."""
+        b = _is_batch(rank)
+        own = learner.behaviour_logprobs(b)
+        b.rollout_logprobs = Ragged((own.values - shift).astype(np.float32), own.offsets)
+        return b
+
+    out = {}
+    setting()
+    out["far_plain"] = grads(far())
+    setting("token", 0.9, 1.1)
+    out["far_token"] = grads(far())
+    setting("sequence", 0.9, 1.1, tis_cap=2.0)
+    out["far_sequence"] = grads(far())
+    # train_batch: every token masked, so a zero gradient (AdamW then moves nothing either)
+    setting("token", 0.9, 1.1)
+    out["far_metrics"] = learner.train_batch(far())
+    split = SHIFT if rank == 1 else 0.0
+    setting(tis_cap=1.5)
+    out["split_tis"] = learner.train_batch(engine_shifted(split))
+    setting("token", 0.5, 1.5, tis_cap=1.5)
+    out["split_token"] = learner.train_batch(engine_shifted(split))
+    setting("sequence", 0.5, 1.5)
+    out["split_sequence"] = learner.train_batch(engine_shifted(split))
+    setting("token", 0.9, 1.1)
+    out["equal"] = learner.train_batch(engine_shifted(0.0))
+    if rank == 0:
+        with open(os.path.join(out_dir, "is.pkl"), "wb") as f:
+            pickle.dump(out, f)
+    learner.close()
+
+
+@pytest.fixture(scope="module")
+def is_out(ranks, tiny_path, tmp_path_factory) -> dict:
+    import pickle
+
+    out_dir = str(tmp_path_factory.mktemp("is"))
+    ranks.run(_is_worker, (2, free_port(), tiny_path, out_dir), nprocs=2)
+    with open(os.path.join(out_dir, "is.pkl"), "rb") as f:
+        return pickle.load(f)
+
+
+def _loss_tokens(rank: int) -> int:
+    return sum(int(np.count_nonzero(m)) for m in _is_batch(rank).loss_mask)
+
+
+def test_masking_far_engine_logprobs_leaves_no_gradient(is_out):
+    """Engine log-probs of -100 (ratio ~e^96 on every token): a narrow band masks every token,
+    at the token level and at the sequence level (with TIS on too), and no gradient is left;
+    without a mask the same batch does have one."""
+    sums, plain = is_out["far_plain"]
+    assert any(float(g.abs().max()) > 0 for g in plain.values())
+    assert sums["is_masked"] == 0
+    for case in ("far_token", "far_sequence"):
+        sums, g = is_out[case]
+        assert sums["is_masked"] == sums["tokens"] == sums["is_n"] == _loss_tokens(0), case
+        for name, t in g.items():
+            assert float(t.abs().max()) == 0.0, (case, name)
+    m = is_out["far_metrics"]
+    assert m["train/is_masked_frac"] == 1.0 and m["train/is_truncated_frac"] == 0.0
+    assert m["train/is_weight_max"] == pytest.approx(math.exp(20.0))  # clamped for the statistics
+    assert m["train/engine_kl"] > 1e6
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_off_policy_metrics_are_reduced_over_all_ranks(is_out):
+    """Rank 0's engine agrees with the learner (w = 1 on its n0 tokens), rank 1's is ln 2 less
+    likely on every token (w = 2 on its n1): each metric is that of all n0 + n1 tokens."""
+    n0, n1 = _loss_tokens(0), _loss_tokens(1)
+    n = n0 + n1
+    for case in ("split_tis", "split_token", "split_sequence"):
+        m = is_out[case]
+        assert m["train/is_weight_mean"] == pytest.approx((n0 + 2 * n1) / n, rel=1e-5), case
+        assert m["train/is_weight_max"] == pytest.approx(2.0, rel=1e-5), case
+        assert m["train/is_ess"] == pytest.approx((n0 + 2 * n1) ** 2 / (n * (n0 + 4 * n1)), rel=1e-5), case
+        # k3 of KL(engine || learner): w - 1 - ln w = 1 - ln 2 on rank 1's tokens, 0 on rank 0's
+        assert m["train/engine_kl"] == pytest.approx(n1 * (1 - SHIFT) / n, rel=1e-4), case
+    # tis_cap 1.5 truncates rank 1's tokens; the band [0.5, 1.5] masks them (first: none is
+    # left to truncate), token by token or as whole sequences
+    assert is_out["split_tis"]["train/is_truncated_frac"] == pytest.approx(n1 / n)
+    assert is_out["split_tis"]["train/is_masked_frac"] == 0.0
+    assert is_out["split_tis"]["train/tis_mean"] == pytest.approx((n0 + 1.5 * n1) / n, rel=1e-5)
+    for case in ("split_token", "split_sequence"):
+        assert is_out[case]["train/is_masked_frac"] == pytest.approx(n1 / n), case
+        assert is_out[case]["train/is_truncated_frac"] == 0.0, case
+    # The loss (ratio 1 to the behaviour policy: -advantage per token): rank 1's tokens weigh
+    # 1.5 under TIS, 0 under either mask, and the normaliser stays every loss token, n.
+    adv_tokens = [sum(float(a) * int(np.count_nonzero(m)) for a, m in
+                      zip(_is_batch(r).advantages, _is_batch(r).loss_mask)) for r in (0, 1)]
+    assert is_out["split_tis"]["train/loss"] == pytest.approx(
+        -(adv_tokens[0] + 1.5 * adv_tokens[1]) / n, rel=1e-4)
+    for case in ("split_token", "split_sequence"):
+        assert is_out[case]["train/loss"] == pytest.approx(-adv_tokens[0] / n, rel=1e-4), case
+
+
+def test_equal_engine_logprobs_give_ess_one_and_mask_nothing(is_out):
+    m = is_out["equal"]
+    assert m["train/is_ess"] == pytest.approx(1.0, abs=1e-9)
+    assert m["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["train/is_weight_max"] == pytest.approx(1.0, abs=1e-5)
+    assert m["train/is_masked_frac"] == 0.0 and m["train/is_truncated_frac"] == 0.0
+    assert m["train/engine_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert m["train/logp_diff"] == pytest.approx(0.0, abs=1e-5)
+    assert m["train/optimizer_steps"] == 1
 
 
 # -- several optimizer steps per rollout (algo.steps_per_rollout) ----------------------------

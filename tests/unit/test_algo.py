@@ -1,4 +1,5 @@
-"""GRPO math against hand-computed values."""
+"""GRPO math against hand-computed values, and the off-policy correction's (importance weights
+against the engines' log-probs: masks, truncation, ESS, KL)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from rl.algo import (agg_count, agg_sum, entropy_bt, kl_k3, kl_penalty_bt, policy_loss,
-                     policy_loss_bt, token_logprobs)
+from rl.algo import (IS_STAT_LOG_BOUND, agg_count, agg_sum, effective_sample_size, entropy_bt,
+                     is_keep_bt, is_log_ratio_bt, is_stat_sums, is_weight_bt, kl_k3, kl_penalty_bt,
+                     policy_loss, policy_loss_bt, seq_log_ratio_b, token_logprobs)
 from rl.rollout.batch import grpo_advantages
 
 
@@ -187,3 +189,134 @@ def test_policy_loss_per_token_both_clip_sides():
     loss_bt.sum().backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.25, -1.1, -0.5],
                                                         [0.0, 0.0, 2.5, 3.0]]))
+
+
+# -- off-policy correction: importance weights w = exp(logp_learner - logp_engine) -----------
+def test_ess_of_equal_weights_is_one_and_of_one_dominant_weight_about_one_over_n():
+    n = 100
+    for w in (1.0, 0.3, 7.0):  # any equal weights, not only the on-policy 1
+        assert effective_sample_size(n * w, n * w * w, n) == pytest.approx(1.0)
+    # one weight 1e6, 99 weights 1: (1e6 + 99)^2 / (100 * (1e12 + 99)) = 0.0100019...
+    big = 1e6
+    ess = effective_sample_size(big + 99, big * big + 99, n)
+    assert ess == pytest.approx((big + 99) ** 2 / (n * (big * big + 99)), rel=1e-12)
+    assert ess == pytest.approx(1 / n, rel=1e-3)
+    # two weights 1 and 3: (4)^2 / (2 * 10) = 0.8
+    assert effective_sample_size(4.0, 10.0, 2) == pytest.approx(0.8)
+    assert effective_sample_size(0.0, 0.0, 0) == 1.0  # nothing to weigh
+
+
+def test_log_ratio_is_zero_outside_loss_tokens():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    engine = torch.tensor([[-1.5, 0.0, 90.0]])  # the pad position's value must never count
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    torch.testing.assert_close(is_log_ratio_bt(logp, engine, mask), torch.tensor([[0.5, -2.0, 0.0]]))
+
+
+# Three sequences of 4 positions; token ratios w written out (log ratios are their logs), loss
+# tokens marked by MASK: sequence 0 has 4, sequence 1 has 2 then padding (whose ratio, 100,
+# must not count), sequence 2 has 3 with its second masked out of the loss by the rollout.
+W_BT = torch.tensor([[1.0, 3.0, 0.4, 1.0],
+                     [1.5, 1.5, 100.0, 100.0],
+                     [0.9, 0.01, 1.1, 1.0]], dtype=torch.float64)
+IS_MASK_BT = torch.tensor([[1.0, 1.0, 1.0, 1.0],
+                           [1.0, 1.0, 0.0, 0.0],
+                           [1.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+
+
+def test_sequence_ratio_is_the_geometric_mean_over_loss_tokens():
+    seq = seq_log_ratio_b(W_BT.log(), IS_MASK_BT).exp()
+    # (1 * 3 * 0.4 * 1)^(1/4) = 1.2^(1/4); (1.5 * 1.5)^(1/2) = 1.5; (0.9 * 1.1)^(1/2) = 0.99^(1/2)
+    torch.testing.assert_close(seq, torch.tensor([1.2 ** 0.25, 1.5, 0.99 ** 0.5], dtype=torch.float64))
+    # no loss token: log ratio 0 (ratio 1), not a division by zero
+    assert seq_log_ratio_b(W_BT.log(), torch.zeros_like(IS_MASK_BT)).tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("mode,low,high,keep", [
+    ("none", 0.5, 2.0, [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]),
+    # token: w = 3 > 2 and 0.4 < 0.5 out; 0.01 is out of the band but not a loss token anyway
+    ("token", 0.5, 2.0, [[1, 0, 0, 1], [1, 1, 1, 1], [1, 0, 1, 1]]),
+    # the band is inclusive: 1.5 is kept at high 1.5, 0.9 at low 0.9
+    ("token", 0.9, 1.5, [[1, 0, 0, 1], [1, 1, 1, 1], [1, 0, 1, 1]]),
+    ("token", 0.0, 1.2, [[1, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]),
+    # sequence: geometric means 1.04664, 1.5, 0.99499; [0.99, 1.1] drops sequence 1 only
+    ("sequence", 0.99, 1.1, [[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]),
+    # [0.994, 1.04] drops sequence 0 (1.0466 > 1.04) and 1, keeps 2 (0.99499 >= 0.994)
+    ("sequence", 0.994, 1.04, [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
+    ("sequence", 0.5, 2.0, [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]),
+])
+def test_is_mask_masks_exactly_the_tokens_or_sequences_out_of_the_band(mode, low, high, keep):
+    log_w = is_log_ratio_bt(W_BT.log(), torch.zeros_like(W_BT), IS_MASK_BT)
+    got = is_keep_bt(log_w, IS_MASK_BT, mode, low, high)
+    # outside the loss tokens the value does not matter (the mask zeroes it): compare there only
+    want = torch.tensor(keep, dtype=torch.float64)
+    assert (got * IS_MASK_BT).tolist() == (want * IS_MASK_BT).tolist()
+
+
+def test_is_mask_never_overflows_on_huge_ratios():
+    log_w = torch.tensor([[500.0, -500.0, 0.0]])  # exp overflows float32 (and float64)
+    mask = torch.ones(1, 3)
+    assert is_keep_bt(log_w, mask, "token", 0.5, 2.0).tolist() == [[0.0, 0.0, 1.0]]
+    assert is_keep_bt(log_w, mask, "sequence", 0.5, 2.0).tolist() == [[1.0, 1.0, 1.0]]  # mean 0
+    with pytest.raises(ValueError, match="unknown importance-sampling mask 'seq'"):
+        is_keep_bt(log_w, mask, "seq", 0.5, 2.0)
+
+
+@pytest.mark.parametrize("mode,share", [
+    # the token at X_BT[0, 1] (value 2) is masked: 1 + 4 + 5 + 6 = 16, still over 5 loss tokens
+    ("token_mean", 16.0),
+    # its sequence's mean keeps its 3 loss tokens: (1 + 4) / 3 + (5 + 6) / 2
+    ("seq_mean_token_mean", 5 / 3 + 11 / 2),
+    ("seq_mean_token_sum_norm", 16 / 8),
+])
+def test_masked_tokens_stay_in_the_normaliser(mode, share):
+    """The learner multiplies the token losses by the importance weight and aggregates over
+    the rollout's loss mask: a masked token adds 0 and still counts, per batch and per sequence."""
+    keep = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    assert agg_sum(X_BT * keep, MASK_BT, mode, max_len=8).item() == pytest.approx(share, rel=1e-6)
+    assert agg_count(MASK_BT, mode) == (5.0 if mode == "token_mean" else 2.0)
+
+
+def test_is_weight_masks_first_then_truncates_the_rest():
+    log_w = W_BT.log()
+    keep = is_keep_bt(log_w, IS_MASK_BT, "token", 0.5, 2.0)
+    # no cap: the weight is the mask alone
+    assert is_weight_bt(log_w, keep, 0.0).tolist() == keep.tolist()
+    # cap 1.2: kept tokens weigh min(w, 1.2); masked ones 0 (3.0 is masked, not capped)
+    torch.testing.assert_close(is_weight_bt(log_w, keep, 1.2) * IS_MASK_BT, torch.tensor(
+        [[1.0, 0.0, 0.0, 1.0], [1.2, 1.2, 0.0, 0.0], [0.9, 0.0, 1.1, 0.0]], dtype=torch.float64))
+    # truncation alone (nothing masked): 3.0 -> 1.2, and an overflowing ratio is capped too
+    ones = torch.ones_like(W_BT)
+    assert is_weight_bt(log_w, ones, 1.2)[0].tolist() == pytest.approx([1.0, 1.2, 0.4, 1.0])
+    assert is_weight_bt(torch.tensor([[500.0]]), torch.ones(1, 1), 2.0).tolist() == [[2.0]]
+
+
+def test_is_stat_sums_by_hand():
+    log_w = W_BT.log()
+    keep = is_keep_bt(log_w, IS_MASK_BT, "token", 0.5, 2.0)
+    s = is_stat_sums(log_w, IS_MASK_BT, keep, tis_cap=1.2)
+    loss_w = [1.0, 3.0, 0.4, 1.0, 1.5, 1.5, 0.9, 1.1]  # the 8 loss tokens' ratios
+    assert s["is_n"] == 8
+    assert s["is_w"] == pytest.approx(sum(loss_w))
+    assert s["is_w2"] == pytest.approx(sum(w * w for w in loss_w))
+    assert s["is_max"] == pytest.approx(3.0)  # not the padding's 100
+    assert s["is_masked"] == 2  # 3.0 and 0.4
+    assert s["is_truncated"] == 2  # 1.5 and 1.5 (3.0 is masked, not truncated)
+    # k3 of KL(engine || learner): w - 1 - ln w per token
+    assert s["engine_kl"] == pytest.approx(sum(w - 1 - math.log(w) for w in loss_w))
+    assert is_stat_sums(log_w, IS_MASK_BT, keep, tis_cap=0.0)["is_truncated"] == 0  # TIS off
+    # on-policy: every ratio 1, ESS 1, KL 0
+    on = is_stat_sums(torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3), 2.0)
+    assert (on["is_w"], on["is_w2"], on["is_n"], on["is_max"], on["engine_kl"]) == (6, 6, 6, 1, 0)
+    assert effective_sample_size(on["is_w"], on["is_w2"], on["is_n"]) == 1.0
+
+
+def test_is_stat_sums_stay_finite_on_huge_ratios():
+    """A ratio of e^96 (engine log-prob -100 where the learner has -4) neither overflows the
+    sums nor makes the ESS NaN: log ratios are clamped for the statistics."""
+    log_w = torch.tensor([[96.0, 0.0, 0.0, -300.0]])
+    s = is_stat_sums(log_w, torch.ones(1, 4), torch.ones(1, 4), 2.0)
+    assert all(math.isfinite(v) for v in s.values())
+    assert s["is_max"] == pytest.approx(math.exp(IS_STAT_LOG_BOUND))
+    assert s["is_truncated"] == 1  # compared unclamped
+    assert effective_sample_size(s["is_w"], s["is_w2"], s["is_n"]) == pytest.approx(1 / 4, rel=1e-6)

@@ -23,6 +23,13 @@ SMALL = ("rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "cluste
      "algo.loss_agg='foo': use one of token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"),
     (("algo.kl_estimator=k2",), "algo.kl_estimator='k2': use one of k1, k3"),
     (("algo.entropy_coef=-1",), "algo.entropy_coef=-1.0 must be >= 0"),
+    (("algo.is_mask=geometric",), "algo.is_mask='geometric': use one of none, token, sequence"),
+    (("algo.is_mask=token", "algo.is_mask_low=1.5"),
+     "algo.is_mask_low=1.5 and algo.is_mask_high=2.0: need 0 <= is_mask_low <= 1 <= is_mask_high"),
+    (("algo.is_mask=token", "algo.is_mask_high=0.9"),
+     "algo.is_mask_low=0.5 and algo.is_mask_high=0.9: need 0 <= is_mask_low <= 1 <= is_mask_high"),
+    (("algo.is_mask_low=-0.1",), "need 0 <= is_mask_low <= 1 <= is_mask_high"),
+    (("algo.tis_cap=-1",), "algo.tis_cap=-1.0 must be >= 0"),
 ])
 def test_bad_algo_values_name_the_field(overrides, fragment):
     with pytest.raises(ValueError) as e:
@@ -44,6 +51,12 @@ def test_bad_algo_values_name_the_field(overrides, fragment):
     (("algo.drop_zero_std_groups=true",), "drop_zero_std_groups", True),
     (("algo.drop_zero_std_groups=false",), "drop_zero_std_groups", False),
     (("algo.advantage_std_norm=false",), "advantage_std_norm", False),
+    (("algo.is_mask=none",), "is_mask", "none"),
+    (("algo.is_mask=token",), "is_mask", "token"),
+    (("algo.is_mask=sequence", "algo.is_mask_low=0.999", "algo.is_mask_high=1.001"), "is_mask", "sequence"),
+    (("algo.is_mask=token", "algo.is_mask_low=0"), "is_mask_low", 0.0),  # an upper bound only
+    (("algo.is_mask=token", "algo.is_mask_low=1", "algo.is_mask_high=1"), "is_mask_high", 1.0),
+    (("algo.is_mask=token", "algo.tis_cap=2.0"), "tis_cap", 2.0),  # mask, then truncate
 ])
 def test_valid_algo_choices_compose(overrides, field, value):
     assert getattr(compose(*overrides).algo, field) == value
@@ -53,3 +66,4 @@ def test_algo_defaults_are_todays_behaviour():
     a = compose().algo
     assert (a.steps_per_rollout, a.loss_agg, a.kl_estimator, a.entropy_coef, a.drop_zero_std_groups) == (
         1, "token_mean", "k3", 0.0, False)
+    assert (a.tis_cap, a.is_mask) == (0.0, "none")  # no off-policy correction unless asked

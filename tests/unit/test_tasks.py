@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from rl.tasks.builtin import AdditionTask, RepeatLetterTask
+from rl.tasks.builtin import AdditionTask, RepeatCountTask, RepeatLetterTask
 from rl.tasks.jsonl import JsonlTask, read_rows
 from rl.tasks.rewards import exact_match, math_answer
+from tests.support.env import compose
 
 
 def test_repeat_letter_rewards():
@@ -28,7 +29,7 @@ def test_addition_rewards_per_digit():
     assert t.reward("46", "46", False) == 0.0
 
 
-@pytest.mark.parametrize("cls", [RepeatLetterTask, AdditionTask])
+@pytest.mark.parametrize("cls", [RepeatLetterTask, RepeatCountTask, AdditionTask])
 def test_stream_is_deterministic_and_resumable(cls):
     a, b = cls(seed=3), cls(seed=3)
     first = a.next_prompts(5) + a.next_prompts(5)
@@ -41,6 +42,68 @@ def test_stream_is_deterministic_and_resumable(cls):
 def test_repeat_letter_prompt_shape():
     p = RepeatLetterTask(repeat=3).next_prompts(1)[0]
     assert p.text.endswith(":") and p.label == p.text[0] * 3
+
+
+def test_repeat_count_rewards():
+    t = RepeatCountTask()
+    assert t.reward("ccccccc", "ccccccc", finished=True) == 1.0
+    assert t.reward("ccccccc", "ccccccc", finished=False) == 0.0  # no EOS -> no credit
+    assert t.reward("ccc", "ccccccc", finished=True) == pytest.approx(3 / 7)  # stopped early
+    assert t.reward("cccccccccc", "ccccccc", finished=True) == pytest.approx(7 / 10)  # too long
+    assert t.reward("cxc", "ccc", finished=True) == pytest.approx(2 / 3)
+    assert t.reward("", "c", finished=True) == 0.0
+
+
+def test_repeat_count_prompts_name_letter_and_length_and_lengths_vary():
+    t = RepeatCountTask(min_repeat=3, max_repeat=40, seed=1)
+    prompts = t.next_prompts(300)
+    lengths = []
+    for p in prompts:
+        letter, count = p.text[0], int(p.text[1:-1])
+        assert p.text == f"{letter}{count}:" and letter.isalpha()
+        assert p.label == letter * count
+        lengths.append(count)
+    assert min(lengths) == 3 and max(lengths) == 40  # both ends are drawn
+    assert len(set(lengths)) > 30  # uneven lengths, not a few fixed ones
+    assert [len(p.label) for p in RepeatCountTask(min_repeat=5, max_repeat=5).next_prompts(3)] == [5] * 3
+
+
+def test_repeat_count_answers_are_one_tiny_model_token_per_letter(tiny_path):
+    """The tiny model's tokenizer spells prompt and answer one token per character, so an
+    answer of n letters is n tokens (plus EOS): from 1 to task.max_repeat + 1 tokens."""
+    from rl.model import load_tokenizer
+
+    tok = load_tokenizer(tiny_path)
+    for p in RepeatCountTask(max_repeat=100).next_prompts(20):
+        assert len(tok(p.text, add_special_tokens=False)["input_ids"]) == len(p.text)
+        ids = tok(p.label, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(p.label) and tok.unk_token_id not in ids
+        assert tok.decode(ids) == p.label
+
+
+def test_repeat_count_needs_room_for_its_longest_answer():
+    """The longest answer plus EOS must fit in rollout.max_new_tokens, checked when the config
+    loads, with the fix in the message."""
+    with pytest.raises(ValueError) as e:
+        compose("task=repeat_count")  # rollout.max_new_tokens is 8 by default
+    assert ("task.max_repeat=40 letters plus the end-of-sequence token; rollout.max_new_tokens=8 is "
+            "too short: set rollout.max_new_tokens=41") in str(e.value)
+    cfg = compose("task=repeat_count", "task.max_repeat=7")
+    assert (cfg.task.name, cfg.task.min_repeat, cfg.task.max_repeat) == ("repeat_count", 1, 7)
+    assert compose("task=repeat_count", "rollout.max_new_tokens=41").task.max_repeat == 40
+    with pytest.raises(ValueError, match="task.max_repeat=2 is below task.min_repeat=3"):
+        compose("task=repeat_count", "task.min_repeat=3", "task.max_repeat=2")
+    with pytest.raises(ValueError, match="task.min_repeat=0 must be > 0"):
+        compose("task=repeat_count", "task.min_repeat=0")
+
+
+def test_repeat_count_is_built_from_its_config():
+    from rl.config.task import RepeatCountTaskConfig
+    from rl.tasks.build import build_task
+
+    task = build_task(RepeatCountTaskConfig(min_repeat=2, max_repeat=9, seed=5))
+    assert isinstance(task, RepeatCountTask)
+    assert task.next_prompts(4) == RepeatCountTask(min_repeat=2, max_repeat=9, seed=5).next_prompts(4)
 
 
 def test_jsonl_task(tmp_path):
