@@ -189,11 +189,13 @@ def maybe_save(cfg: Config, runtime: Runtime, cluster, step: int,
         return
     root = checkpoint_root(cfg, runtime)
     path = step_dir(root, step)
-    cluster.learners.save(path)
+    cluster.learners.save(path)  # with checkpoint.save_hf, <path>/hf too
     write_trainer_state(path, {"step": step, "run_id": runtime.run_id,
-                               "rollout": rollout_state or cluster.rollout.state_dict()})
+                               "rollout": rollout_state or cluster.rollout.state_dict(),
+                               # what python -m rl.learner.export_hf needs besides the shards
+                               "model": {"path": runtime.model_path, "dtype": cfg.model.dtype}})
     prune(root, cfg.checkpoint.keep_last)
-    logger.info("checkpoint %s", path)
+    logger.info("checkpoint %s%s", path, " (Hugging Face model in hf/)" if cfg.checkpoint.save_hf else "")
 
 
 def step_metrics(step: int, ref, train: dict[str, float], weights: dict[str, float],

@@ -22,7 +22,7 @@ from rl.algo import (agg_count, agg_sum, effective_sample_size, entropy_bt, is_k
                      is_stat_sums, is_weight_bt, kl_penalty_bt, policy_loss_bt, token_logprobs)
 from rl.backends import data_path, weight_path
 from rl.config import Config
-from rl.learner import checkpoint
+from rl.learner import checkpoint, export_hf
 from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
@@ -343,15 +343,48 @@ class Learner:
 
     def full_state(self) -> dict[str, np.ndarray] | None:
         """Every parameter as a whole numpy array (rank 0; a collective on all ranks)."""
-        # A copy before numpy: a numpy view would pin FSDP's storage (on CPU with one rank the
-        # full tensor is the parameter itself), and the next reshard could not free it.
-        out = {n: full_tensor(p).to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}
+        out = {n: t.numpy() for n, t in self.full_tensors(self.model.named_parameters()).items()}
         return out if self.rank == 0 else None
+
+    def full_tensors(self, named, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Each of ``named`` (parameters, buffers) whole, on the CPU, on rank 0 (other ranks:
+        an empty dict); a collective on all ranks. Floating tensors are cast to ``dtype``
+        shard by shard, so that the gather moves the narrow copy; the gather itself runs on
+        this rank's device (NCCL serves CUDA tensors only)."""
+        out = {}
+        for name, t in named:
+            t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            t = full_tensor(t)
+            if self.rank == 0:
+                # A copy: on CPU with one rank the full tensor is the parameter itself, and
+                # holding it (or a numpy view of it) would pin FSDP's storage past the next
+                # reshard and change with the next step.
+                out[name] = t.to("cpu", copy=True)
+        return out
 
     # -- checkpoints -------------------------------------------------------------------
     def save(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         checkpoint.save_learner(path, self.model, self.optimizer, self.scheduler)
+        if self.cfg.checkpoint.save_hf:
+            self.save_hf(os.path.join(path, export_hf.HF_DIR))
+
+    def save_hf(self, path: str) -> None:
+        """The policy as a Hugging Face model directory at ``path`` (``rl.learner.export_hf``),
+        weights in ``model.dtype``, config and tokenizer files from the model the run started
+        from. A collective: every rank gathers, rank 0 writes, while the others return (no
+        barrier: writing a large model may outlast the process group's timeout, and the
+        driver waits for every rank's answer anyway)."""
+        # parameters and persistent buffers: the state_dict's names (no gather), less the tied
+        # aliases (lm_head.weight of a tied model), which named_parameters leaves out
+        params = dict(self.model.named_parameters())
+        keys = self.model.state_dict().keys()
+        buffers = [(n, b) for n, b in self.model.named_buffers() if n in keys and n not in params]
+        state = self.full_tensors([*params.items(), *buffers], getattr(torch, self.cfg.model.dtype))
+        if self.rank == 0:
+            export_hf.write_hf(path, state, self.runtime.model_path, self.cfg.model.dtype)
 
     def load(self, path: str) -> None:
         checkpoint.load_learner(path, self.model, self.optimizer, self.scheduler)

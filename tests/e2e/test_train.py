@@ -1,8 +1,8 @@
 """``train.py`` runs that resume or are interrupted: metrics, a W&B offline run and
-checkpoints, then a colocated run resumed from a checkpoint continues the steps, the data and
-the KL to the initial weights; Ctrl-C as a terminal sends it, in a run with a Ray of its own
-(``make train``), on the ray and mooncake_tcp data paths: reported as the user's, exit status
-130, every process gone, its Ray and Mooncake master too."""
+checkpoints (with their Hugging Face export), then a colocated run resumed from a checkpoint
+continues the steps, the data and the KL to the initial weights; Ctrl-C as a terminal sends
+it, in a run with a Ray of its own (``make train``), on the ray and mooncake_tcp data paths:
+reported as the user's, exit status 130, every process gone, its Ray and Mooncake master too."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
     task = ("task=jsonl", f"task.path={data}", "task.reward._target_=tests.support.helpers.length_reward")
     out = tmp_path / "a"
     proc = train("num_steps=3", "rollout.prompts_per_step=8", "checkpoint.every=2", *task,
-                 f"output_dir={out}")
+                 "checkpoint.save_hf=true", f"output_dir={out}")
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
@@ -43,6 +43,12 @@ def test_train_py_logs_metrics_wandb_and_checkpoints_then_resumes(tmp_path):
     assert any(d.startswith("offline-run-") for d in os.listdir(out / "wandb"))
     ckpts = sorted(os.listdir(out / "checkpoints"))
     assert ckpts == ["step_000002", "step_000003"]
+    for ckpt in ckpts:  # beside each: the Hugging Face model, and what the converter reads
+        hf = set(os.listdir(out / "checkpoints" / ckpt / "hf"))
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= hf, hf
+        with open(out / "checkpoints" / ckpt / "trainer_state.json") as f:
+            model = json.load(f)["model"]
+        assert model["dtype"] == "float32" and os.path.exists(os.path.join(model["path"], "config.json"))
     assert_nothing_left(engine_ports(proc.stdout))
 
     out2 = tmp_path / "b"

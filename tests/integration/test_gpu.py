@@ -5,8 +5,9 @@
   comparison itself also runs on every machine, between a one-rank and a two-rank gloo step.
 - The real ``Learner`` trains a few steps over NCCL on one GPU (world size 1) with mixed
   precision, through ``train`` and so through every metric reduction, then pushes its
-  weights to a receiver that joins the side group as SGLang does; the same harness runs on
-  the CPU over gloo in every suite, so that a GPU run tests the device, not the harness.
+  weights to a receiver that joins the side group as SGLang does and writes its Hugging Face
+  export (``save_hf``); the same harness runs on the CPU over gloo in every suite, so that a
+  GPU run tests the device, not the harness.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from rl.runtime import Runtime
 from rl.types import RolloutRef
@@ -267,7 +269,10 @@ def _learner_push_worker(device: str, backend: str, tiny_path: str, out: str, co
         learner.connect_engines([receiver])
         learner.push_weights(version=3)
         state = {n: full_tensor(p).cpu().clone() for n, p in learner.model.named_parameters()}
+        hf = os.path.join(os.path.dirname(out), f"hf_{device}")
+        learner.save_hf(hf)  # gathered on the learner's device, written from the CPU
         torch.save({"metrics": metrics, "before": before, "state": state,
+                    "hf": load_file(os.path.join(hf, "model.safetensors")),
                     "devices": {p.device.type for p in learner.model.parameters()},
                     "held": receiver._call("held"), "version": receiver.get_weight_version()}, out)
     finally:
@@ -307,6 +312,9 @@ def assert_trained_and_pushed(got: dict, device: str) -> None:
     for name, t in got["state"].items():
         assert got["held"][name].dtype == torch.bfloat16, name
         assert torch.equal(got["held"][name], t.to(torch.bfloat16)), name
+    # the Hugging Face export holds what the engines got: model.dtype, bit for bit
+    assert got["hf"].keys() == got["state"].keys()
+    assert all(torch.equal(got["hf"][n], got["held"][n]) for n in got["hf"])
 
 
 def test_real_learner_trains_with_mixed_precision_and_pushes_over_gloo(tiny_path, tmp_path):

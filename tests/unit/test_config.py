@@ -132,6 +132,8 @@ def test_sizes(value, expected):
     (("rollout=sglang", "cluster.gpus_per_engine=1"), "name an attention backend that takes float32"),
     ("cluster.num_learners=5", "do not split evenly over cluster.num_learners"),
     ("checkpoint.resume=/nonexistent", "checkpoint.resume='/nonexistent' is not a checkpoint"),
+    (("checkpoint.save_hf=true", "checkpoint.every=0"),
+     "checkpoint.save_hf=true writes the Hugging Face model beside each checkpoint, and checkpoint.every=0"),
     ("algo.max_staleness=-1", "algo.max_staleness=-1 must be >= 0"),
     ("rollout.max_inflight_batches=0", "rollout.max_inflight_batches=0: the queue needs room"),
     ("rollout.batch_wait_ms=-1", "rollout.batch_wait_ms=-1.0 must be >= 0"),
