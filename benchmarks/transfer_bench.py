@@ -112,7 +112,7 @@ def run_bench(args, place_a: dict, place_b: dict, masters: dict[str, dict],
             runtime = Runtime("bench", "/tmp/transfer_bench", "/unused", transfer=services)
             lend_prod = layout == "producer-lends"
             prod = ray.remote(Producer).options(**place_a).remote(
-                transfer, runtime, lend_prod, args.calls, args.sizes)
+                transfer, runtime, lend_prod, args.calls, args.sizes, args.pickle_layout)
             cons = ray.remote(Consumer).options(**place_b).remote(
                 transfer, runtime, layout == "training", args.calls)
             # the manager puts a rank's partition near it (its segment), as in train.py
@@ -370,6 +370,8 @@ def write_json(args, rows: list[dict], title: str, load: tuple, about: dict) -> 
            "machine": platform.platform(), "cpus": os.cpu_count(),
            "loadavg_start": load, "loadavg_end": os.getloadavg(),
            "runs": args.runs, "warmup": args.warmup, "chunk_bytes": args.chunk_bytes,
+           "pickle_layout": args.pickle_layout,
+           "env": {k: v for k, v in os.environ.items() if k.startswith(("MC_", "RL_"))},
            **about, "rows": rows, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -407,7 +409,8 @@ def on_hosts(args, net: Netns, mode: str) -> None:
                f"--ray-address={net.ip_a}:{port}", f"--host-a={net.ip_a}", f"--out={args.out}",
                f"--runs={args.runs}", f"--warmup={args.warmup}", f"--chunk-bytes={args.chunk_bytes}",
                "--sizes", *map(str, args.sizes), "--backends", *args.backends,
-               "--layouts", *args.layouts, *([] if args.calls else ["--no-calls"]),
+               "--layouts", *args.layouts, f"--pickle-layout={args.pickle_layout}",
+               *([] if args.calls else ["--no-calls"]),
                *([f"--iperf3-server={net.ip_b}:{IPERF3_PORT}"] if server else [])]
         subprocess.run(cmd, env={**env, "RAY_TMPDIR": f"/tmp/ray_{net.a}",
                                  "BENCH_COMMAND": " ".join(["python", *sys.argv])}, check=True)
@@ -434,6 +437,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
                    help="who lends the Mooncake segment (training: the consumer, as train.py)")
+    p.add_argument("--pickle-layout", choices=("per-sample", "flat"), default="per-sample",
+                   help="what the pickle codec moves: the per-sample dict (one array per sample, "
+                        "as a trainer that keeps per-sample arrays has it) or the flat columns "
+                        "the rollout manager builds (what transfer.codec=pickle stores in training)")
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None,

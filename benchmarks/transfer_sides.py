@@ -47,10 +47,11 @@ def make_payload(n: int, seed: int = 0, per_sample: bool = False) -> dict:
     return cols
 
 
-def per_sample_payload(transfer) -> bool:
+def per_sample_payload(transfer, pickle_layout: str = "per-sample") -> bool:
     """The pickle codec is measured on the per-sample dict (the baseline: Ray as miles uses
-    it); every other codec on the flat columns the manager builds."""
-    return getattr(transfer, "codec", None) == "pickle"
+    it) unless ``pickle_layout`` is ``flat``; every other codec on the flat columns the
+    manager builds."""
+    return getattr(transfer, "codec", None) == "pickle" and pickle_layout == "per-sample"
 
 
 def checksum(cols: dict) -> int:
@@ -144,9 +145,11 @@ class _Side:
 
 
 class Producer(_Side):
-    def __init__(self, transfer, runtime, lend: bool, timed: bool, sizes: list[int]):
+    def __init__(self, transfer, runtime, lend: bool, timed: bool, sizes: list[int],
+                 pickle_layout: str = "per-sample"):
         super().__init__(transfer, runtime, lend, timed)
-        self.payloads = {n: make_payload(n, per_sample=per_sample_payload(transfer)) for n in sizes}
+        per_sample = per_sample_payload(transfer, pickle_layout)
+        self.payloads = {n: make_payload(n, per_sample=per_sample) for n in sizes}
         self.sums = {n: checksum(p) for n, p in self.payloads.items()}
         self.blobs: dict[int, bytes] = {}
 

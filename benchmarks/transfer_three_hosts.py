@@ -79,7 +79,7 @@ def open_case(backend: str, args, master: dict | None, segment: int, part_bytes:
     assert stop is None, "the benchmark starts the master itself"
     runtime = Runtime("bench", "/tmp/transfer_bench", "/unused", transfer=services)
     prod = ray.remote(Producer).options(**_place("A")).remote(
-        transfer, runtime, False, False, [n // RANKS for n in args.sizes])
+        transfer, runtime, False, False, [n // RANKS for n in args.sizes], args.pickle_layout)
     ranks = [ray.remote(Consumer).options(**_place(h)).remote(transfer, runtime, True, False)
              for h in LEARNER_HOSTS for _ in range(RANKS_PER_HOST)]
     ray.get([a.ready.remote() for a in (prod, *ranks)])

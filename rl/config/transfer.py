@@ -28,10 +28,12 @@ class TransferConfig:
 @dataclass(kw_only=True)
 class RayTransferConfig(TransferConfig):
     name: str = "ray"
-    codec: str = "packed"
-    """``packed`` (our codec: one contiguous buffer, read zero-copy; 1.65-3.8x faster than
-    ``pickle`` in docs/benchmarks.md) or ``pickle`` (the column dict as Ray pickles it: one
-    buffer per array, what a trainer that hands Ray its dict gets)."""
+    codec: str = "pickle"
+    """``pickle`` (the column dict as Ray pickles it, protocol 5: each array one out-of-band
+    buffer, which for the flat rollout columns is a few buffers) or ``packed`` (our codec:
+    one contiguous buffer, read zero-copy). Pickle is the default: on the flat columns it
+    beat packed on one host and on two (docs/benchmarks.md, "The codec apart from the
+    transport"), because Ray copies each out-of-band buffer once where packed copies twice."""
 
     def __post_init__(self) -> None:
         if self.codec not in RAY_CODECS:
@@ -95,8 +97,8 @@ SCHEMAS: dict[str, type] = {"ray": RayTransferConfig, "mooncake": MooncakeTransf
 both extend ``mooncake``)."""
 
 BACKENDS: dict[str, list[str]] = {
-    "ray-pickle": ["transfer=ray", "transfer.codec=pickle"],
-    "ray-packed": ["transfer=ray"],
+    "ray-pickle": ["transfer=ray"],
+    "ray-packed": ["transfer=ray", "transfer.codec=packed"],
     "mooncake-pickle": ["transfer=mooncake_tcp", "transfer.codec=pickle"],
     "mooncake-packed": ["transfer=mooncake_tcp"],
     "mooncake-bundle": ["transfer=mooncake_tcp", "transfer.codec=bundle"],

@@ -234,7 +234,7 @@ def ray_module(shared_ray, ray_local):
     return ray_local
 
 
-@pytest.mark.parametrize("transfer,weights", [("ray-packed", "broadcast"), ("mooncake-packed", "p2p")])
+@pytest.mark.parametrize("transfer,weights", [("ray-pickle", "broadcast"), ("mooncake-packed", "p2p")])
 def test_killed_engines_are_replaced_and_hold_the_learners_weights(ray_module, transfer, weights,
                                                                    prompts, tmp_path):
     """Engine 1 killed with requests on its model, engine 0 killed inside a weight-update

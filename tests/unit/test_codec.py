@@ -21,7 +21,7 @@ DTYPES = st.sampled_from([np.int8, np.int32, np.int64, np.float16, np.float32, n
 @st.composite
 def ragged(draw):
     dtype = draw(DTYPES)
-    tail = draw(st.sampled_from([(), (2,), (3, 2)]))
+    tail = draw(st.sampled_from([(), (2,), (3, 2), (0,)]))
     n = draw(st.integers(1, 6))
     return [draw(hnp.arrays(dtype, (draw(st.integers(0, 5)), *tail))) for _ in range(n)]
 
@@ -29,8 +29,10 @@ def ragged(draw):
 @st.composite
 def flat_ragged(draw):
     arrays = draw(ragged())
-    return Ragged.from_arrays(arrays, arrays[0].dtype) if arrays[0].ndim == 1 else \
-        Ragged(np.concatenate(arrays), Ragged.from_arrays([a[:, 0] for a in arrays]).offsets)
+    lengths = [len(a) for a in arrays]
+    if draw(st.booleans()):  # no samples at all, the tail kept
+        return Ragged(arrays[0][:0], np.zeros(1, dtype=np.int64))
+    return Ragged.from_lengths(np.concatenate(arrays), lengths)
 
 
 dense = DTYPES.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0,

@@ -29,7 +29,7 @@ def test_indexing_iteration_and_lengths_match_the_arrays():
 
 def test_take_gathers_in_any_order_with_repeats():
     arrays = _arrays(1)
-    idx = [8, 0, 3, 3, 5]
+    idx = [8, 0, 3, 3, 5, -1, -9]
     got = Ragged.from_arrays(arrays).take(idx)
     assert [x.tolist() for x in got] == [arrays[i].tolist() for i in idx]
     assert got.offsets[0] == 0 and got.offsets[-1] == len(got.values)

@@ -113,7 +113,8 @@ class Ragged:
         lengths = self.lengths[idx]
         offsets = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        src = np.arange(offsets[-1], dtype=np.int64) + np.repeat(self.offsets[idx] - offsets[:-1], lengths)
+        starts = self.offsets[:-1][idx]  # negative indices count from the end, as for lengths
+        src = np.arange(offsets[-1], dtype=np.int64) + np.repeat(starts - offsets[:-1], lengths)
         return Ragged(self.values[src], offsets)
 
     def rows_and_columns(self, start: np.ndarray | int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -188,12 +188,13 @@ def decode(manifest: bytes | dict, payload) -> Columns:
         kind = f["kind"]
         if kind == "dense":
             out[f["name"]] = view(f["at"], f["dtype"]).reshape(f["shape"])
-        elif kind == "flat_ragged":
-            out[f["name"]] = Ragged(view(f["values"], f["dtype"]).reshape((-1, *f["tail"])),
-                                    view(f["offsets"], "<i8"))
+        elif kind == "flat_ragged":  # rows from the offsets: a zero-width tail has no -1 to infer
+            offsets = view(f["offsets"], "<i8")
+            rows = int(offsets[-1])
+            out[f["name"]] = Ragged(view(f["values"], f["dtype"]).reshape((rows, *f["tail"])), offsets)
         elif kind == "ragged":
-            values = view(f["values"], f["dtype"]).reshape((-1, *f["tail"]))
             offsets = view(f["offsets"], "<i8").tolist()
+            values = view(f["values"], f["dtype"]).reshape((offsets[-1], *f["tail"]))
             out[f["name"]] = [values[offsets[i]:offsets[i + 1]] for i in range(f["count"])]
         elif kind == "strings":
             raw_u8 = view(f["values"], "|u1")

@@ -2,14 +2,16 @@
 
 ``transfer.codec`` chooses what is stored, independently of the transport:
 
-* ``packed`` (the default): our codec (``transfer.data.codec``): every field copied once into
-  one contiguous uint8 buffer, stored with its manifest; ``ray.get`` maps that one buffer
+* ``pickle`` (the default): the column dict as it is, with ``ray.put`` (pickle protocol 5:
+  each numpy array one out-of-band buffer, which Ray copies once into its object store; a
+  remote reader pulls them). The rollout batch's per-token fields are flat (``Ragged``), so
+  a batch is a few buffers, and this was the faster codec on Ray, on one host and on two
+  (docs/benchmarks.md, "The codec apart from the transport"). A dict of per-sample arrays,
+  as some trainers keep it, is thousands of buffers and several times slower.
+* ``packed``: our codec (``transfer.data.codec``): every field copied once into one
+  contiguous uint8 buffer, stored with its manifest; ``ray.get`` maps that one buffer
   zero-copy from the node's shared memory (a remote node pulls it over TCP), and ``decode``
-  rebuilds the columns as views into it.
-* ``pickle``: the column dict as it is, with ``ray.put`` (pickle protocol 5: one
-  out-of-band buffer per numpy array, so a batch of N samples is thousands of small
-  buffers). This is what a trainer that hands Ray its dict gets, and 1.65-3.8x slower
-  (docs/benchmarks.md, "The codec apart from the transport").
+  rebuilds the columns as views into it. On Ray it pays two copies (encode, then ``ray.put``).
 
 The ObjectRef is wrapped inside the ``StoreRef`` so that Ray does not resolve it when the
 ref is passed as an argument of an actor call.
@@ -39,7 +41,7 @@ CODECS = ("packed", "pickle")
 
 
 class RayStore:
-    def __init__(self, codec: str = "packed") -> None:
+    def __init__(self, codec: str = "pickle") -> None:
         if codec not in CODECS:
             raise ValueError(f"transfer.codec={codec!r}: the Ray store takes {' or '.join(CODECS)}")
         if not ray.is_initialized():
@@ -63,9 +65,8 @@ class RayStore:
             encode_ms = (time.perf_counter() - t0) * 1e3
         else:
             value = columns
-        t1 = time.perf_counter()
         obj = self._ray.put(value)
-        put_ms = (time.perf_counter() - t1) * 1e3
+        put_ms = (time.perf_counter() - t0) * 1e3  # encode included, as every store reports it
         return StoreRef(key=key, backend=self.backend, nbytes=columns_nbytes(columns),
                         handle=[obj], timings_ms={"put_ms": put_ms, "encode_ms": encode_ms})
 

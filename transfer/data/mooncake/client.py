@@ -203,11 +203,14 @@ class MooncakeClient:
     def replicate_near(self, near: str | None):
         """The put's ``ReplicateConfig``: ``replica_num`` copies, the first in segment ``near``
         (a reader's ``location``) when given, so that reader copies it locally instead of
-        pulling it over the network or loopback TCP."""
+        pulling it over the network or loopback TCP. ``preferred_segments`` (a list;
+        the single ``preferred_segment`` is marked deprecated upstream). A segment too full
+        for the put is passed over for another by the master, silently: the capacity check at
+        start sizes every rank's segment for the batches the store holds."""
         config = self._replicate_config()
         config.replica_num = self.settings.replica_num
         if near:
-            config.preferred_segment = near
+            config.preferred_segments = [near]
         return config
 
     def _check_ref(self, ref) -> None:

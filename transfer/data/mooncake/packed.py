@@ -87,8 +87,8 @@ class _BufferPool:
 
 
 WAIT_NICE_ENV = "RL_MOONCAKE_WAIT_NICE"
-"""Measurement switch, off by default: a nice value for a thread that makes the transfer
-calls. The wheels are built without event-driven completion, so the calling thread polls
+"""Measurement switch, off by default: how much to raise the nice value of a thread that
+makes the transfer calls. The wheels are built without event-driven completion, so the calling thread polls
 until the transfer is done (mooncake-store ``TransferEngineOperationState::
 wait_for_completion``); raising that thread's nice value lets the engine's own threads win
 a contended core. Measured with no gain (docs/benchmarks.md, "Mooncake's waiting thread"),
@@ -99,8 +99,9 @@ class _NicedThread:
     """Runs calls in one thread whose nice value is raised (Linux sets nice per thread)."""
 
     def __init__(self, nice: int) -> None:
-        def lower() -> None:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        def lower() -> None:  # relative to the process's own nice value
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
         self.pool = concurrent.futures.ThreadPoolExecutor(1, "mooncake-wait", initializer=lower)
 
