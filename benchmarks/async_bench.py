@@ -13,6 +13,10 @@ limit).
     python benchmarks/async_bench.py                        # default job, 20 steps per mode
     python benchmarks/async_bench.py --out benchmarks/results/async.json   # the tracked results
     python benchmarks/async_bench.py --steps 30 -- transfer=mooncake_tcp weights=p2p
+    python benchmarks/async_bench.py -- task=repeat_count rollout.max_new_tokens=41   # uneven lengths
+
+``engines idle`` is the share of the measured window in which an engine had no request in
+flight (``rollout/engine_busy_s``, counted by the rollout manager).
 """
 
 from __future__ import annotations
@@ -49,8 +53,14 @@ def run_mode(script: str, overrides: list[str], steps: int, skip: int) -> dict:
             raise SystemExit(f"{script} {' '.join(overrides)} failed:\n{proc.stdout[-3000:]}"
                              f"{proc.stderr[-3000:]}")
         with open(os.path.join(out, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f][skip:]
+            all_rows = [json.loads(line) for line in f]
+        rows = all_rows[skip:]
     step_s = sum(r["perf/step_time"] for r in rows)
+    # engines idle: no request in flight on an engine (the rollout manager's count), over the
+    # measured steps' generation window
+    first, last = rows[0], rows[-1]
+    window = (last["rollout/finished_at"] - first["rollout/finished_at"]) * last["rollout/engines"]
+    busy = last["rollout/engine_busy_s"] - first["rollout/engine_busy_s"]
     return {
         "samples_per_s": sum(r["train/samples"] for r in rows) / step_s,
         "step_time_s": step_s / len(rows),
@@ -60,6 +70,9 @@ def run_mode(script: str, overrides: list[str], steps: int, skip: int) -> dict:
         "wait_time_ratio": statistics.mean(r["perf/wait_time_ratio"] for r in rows),
         "staleness_mean": statistics.mean(r["async/staleness_mean"] for r in rows),
         "dropped_samples": sum(r.get("async/dropped_samples", 0.0) for r in rows),
+        "engine_idle_frac": 1.0 - busy / window if window > 0 else float("nan"),
+        "reward_mean": statistics.mean(r["rollout/reward_mean"] for r in rows),
+        "reward_by_step": [r["rollout/reward_mean"] for r in all_rows],
         "steps_measured": len(rows),
         "wall_s": time.monotonic() - t0,
     }
@@ -89,13 +102,14 @@ def main() -> None:
               f"wait ratio {r['wait_time_ratio']:.3f}", flush=True)
     base = results["train.py (synchronous)"]["samples_per_s"]
     print("\n| mode | samples/s | speed-up | step s | rollout s | train s | sync s | wait ratio "
-          "| staleness | dropped |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| staleness | dropped | engines idle | reward |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, r in results.items():
         print(f"| `{label}` | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x | "
               f"{r['step_time_s']:.2f} | {r['rollout_time_s']:.2f} | {r['train_time_s']:.2f} | "
               f"{r['update_weights_time_s']:.2f} | {r['wait_time_ratio']:.3f} | "
-              f"{r['staleness_mean']:.2f} | {r['dropped_samples']:.0f} |")
+              f"{r['staleness_mean']:.2f} | {r['dropped_samples']:.0f} | "
+              f"{r['engine_idle_frac']:.2f} | {r['reward_mean']:.3f} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": "python benchmarks/async_bench.py " + " ".join(sys.argv[1:]),

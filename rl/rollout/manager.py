@@ -136,6 +136,8 @@ class RolloutManager:
             "rollout/samples_per_s": len(batch) / max(gen_s, 1e-9),
             "rollout/weight_version_min": float(batch.weight_version.min()),
             "rollout/weight_version_mean": float(batch.weight_version.mean()),
+            "rollout/engine_busy_s": self.pool.busy_seconds(),
+            "rollout/engines": float(len(self.pool.inflight)),
             "rollout/started_at": started,
             "rollout/finished_at": time.time(),
             "transfer/put_ms": float(sum(put_ms)),
