@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
+from rl.config.eval import eval_due
 from rl.log import block_triton, setup_logging
 from rl.driver.metrics import MetricsLogger
 from rl.driver.run import (StepTimer, consuming, exit_on_interrupt, maybe_save, prepare_run, resume,
@@ -52,7 +53,10 @@ def main(dcfg: DictConfig) -> None:
                     metrics = learners.train(ref)  # each rank gets its partition and trains
                 with timer("update_weights"):
                     weights = cluster.push_weights(version=step + 1)
-                logger.log(step, step_metrics(step, ref, metrics, weights, timer))
+                m = step_metrics(step, ref, metrics, weights, timer)
+                if eval_due(cfg, step + 1):  # the weights just pushed, on held-out prompts
+                    m |= rollout.evaluate()
+                logger.log(step, m)
                 maybe_save(cfg, runtime, cluster, step + 1)
     finally:
         logger.close()

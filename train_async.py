@@ -28,6 +28,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rl.config import load, register_configs
+from rl.config.eval import eval_due
 from rl.log import block_triton, setup_logging
 from rl.driver.metrics import MetricsLogger
 from rl.driver.run import (StepTimer, checkpoint_due, consuming, exit_on_interrupt, maybe_save, prepare_run,
@@ -58,7 +59,10 @@ def one_step_off_policy(cfg, cluster, logger, runtime) -> None:
                 rollout.wait_idle(pending)  # never swap weights under a running generation
             with timer("update_weights"):
                 weights = cluster.push_weights(version=step + 1)
-            logger.log(step, step_metrics(step, ref, metrics, weights, timer))
+            m = step_metrics(step, ref, metrics, weights, timer)
+            if eval_due(cfg, step + 1):  # version step + 1; the next batch is generated already
+                m |= rollout.evaluate()
+            logger.log(step, m)
             maybe_save(cfg, runtime, cluster, step + 1, rollout_state=position)
     finally:
         rollout.discard(pending, store)  # no key outlives the run
@@ -79,7 +83,10 @@ def fully_async(cfg, cluster, logger, runtime) -> None:
             with timer("update_weights"), rollout.paused():  # no forward pass mid-update
                 weights = cluster.push_weights(version=step + 1)
             rollout.release(ref, step)  # version moves on: the next groups are admitted
-            logger.log(step, step_metrics(step, ref, metrics, weights, timer))
+            m = step_metrics(step, ref, metrics, weights, timer)
+            if eval_due(cfg, step + 1):  # version step + 1 (no sync runs meanwhile), beside the stream
+                m |= rollout.evaluate()
+            logger.log(step, m)
             if checkpoint_due(cfg, step + 1):  # queued batches are generated again on resume
                 maybe_save(cfg, runtime, cluster, step + 1, rollout_state=rollout.resume_position())
     finally:

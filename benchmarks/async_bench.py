@@ -35,7 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 JOB = ["cluster.num_engines=1", "cluster.num_learners=1", "cluster.torch_threads=1",
        "model.tiny.hidden_size=256", "model.tiny.intermediate_size=1024",
-       "logger=console", "checkpoint.every=0"]
+       "logger=console", "checkpoint.every=0", "eval.every=0"]
 MODES = {
     "train.py (synchronous)": ("train.py", []),
     "train_async.py (one-step off-policy)": ("train_async.py", []),

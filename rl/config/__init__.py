@@ -34,6 +34,7 @@ from rl.config import algo, cluster, logger, model, rollout, task, transfer, wei
 from rl.config.algo import IS_MASKS, KL_ESTIMATORS, LOSS_AGGS, AlgoConfig
 from rl.config.checkpoint import CheckpointConfig
 from rl.config.checks import parse_size, positive
+from rl.config.eval import EvalConfig
 from rl.config.cluster import ClusterConfig
 from rl.config.logger import LoggerConfig
 from rl.config.model import DTYPE_BYTES, ModelConfig, TinyModelConfig
@@ -46,7 +47,7 @@ from rl.log import LEVELS
 
 __all__ = [
     "DTYPE_BYTES", "IS_MASKS", "KL_ESTIMATORS", "LOSS_AGGS", "AdditionTaskConfig", "AlgoConfig",
-    "BroadcastWeightsConfig", "CheckpointConfig", "ClusterConfig", "Config", "HFRolloutConfig",
+    "BroadcastWeightsConfig", "CheckpointConfig", "ClusterConfig", "Config", "EvalConfig", "HFRolloutConfig",
     "JsonlTaskConfig", "LoggerConfig", "ModelConfig", "MooncakeTransferConfig", "P2PWeightsConfig",
     "RayTransferConfig", "RepeatCountTaskConfig", "RepeatLetterTaskConfig", "RolloutConfig",
     "SGLangRolloutConfig", "TaskConfig", "TinyModelConfig", "TransferConfig", "WeightsConfig", "compose",
@@ -74,6 +75,7 @@ class Config:
     cluster: ClusterConfig = MISSING
     logger: LoggerConfig = MISSING
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         positive(self, "num_steps")

@@ -30,6 +30,8 @@ class MetricsLogger:
             self.wandb.log(metrics, step=step)
         if step % self.cfg.logger.console_every == 0 or step == self.cfg.num_steps - 1:
             print(format_line(step, self.cfg.num_steps, metrics), flush=True)
+        if "eval/reward_mean" in metrics:  # every evaluation, whatever console_every says
+            print(format_eval(step, metrics), flush=True)
 
     def close(self) -> None:
         if self.wandb is not None:
@@ -70,3 +72,10 @@ def format_line(step: int, num_steps: int, m: dict[str, float]) -> str:
             f"| put {g('transfer/put_ms', '.1f')}ms get {g('transfer/get_ms', '.1f')}ms"
             + (f" | stale<={g('async/staleness_max', '.0f')} dropped {g('async/dropped_samples', '.0f')} "
                f"queued {g('async/queue_depth', '.0f')}" if "async/queue_depth" in m else ""))
+
+
+def format_eval(step: int, m: dict[str, float]) -> str:
+    passes = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(m.items())
+                      if k.startswith("eval/pass@"))
+    return (f"eval after step {step + 1}: reward {m['eval/reward_mean']:.3f} {passes} "
+            f"| len {m['eval/response_len_mean']:.1f} | {m['eval/time']:.2f}s")

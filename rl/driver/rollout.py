@@ -74,6 +74,10 @@ class RolloutHandle:
         finally:
             self._ray.get(self.actor.resume.remote())
 
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation's metrics (``RolloutManager.evaluate``)."""
+        return self._ray.get(self.actor.evaluate.remote(), timeout=self.timeout_s)
+
     # fully async: a stream of batches (see rl.rollout.stream.Stream)
     def start_stream(self, first_step: int) -> None:
         self._ray.get(self.actor.start_stream.remote(first_step))

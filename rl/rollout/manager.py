@@ -13,7 +13,9 @@ fully async, the stream of batches (``rl.rollout.stream``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -29,10 +31,26 @@ from rl.rollout.fleet import EngineFleet, SyncPlan
 from rl.rollout.stream import Stream
 from rl.runtime import Runtime
 from rl.tasks import Prompt
+from rl.config.task import JsonlTaskConfig
 from rl.tasks.build import build_task
+from rl.tasks.jsonl import read_rows
 from rl.types import RolloutBatch, RolloutRef
 
 logger = logging.getLogger(__name__)
+
+
+def held_out_prompts(cfg: Config) -> list[Prompt]:
+    """The evaluation's prompts: the first ``eval.num_prompts`` rows of ``eval.path``, or of
+    the task's own stream under ``task.seed + eval.seed_offset``."""
+    ec = cfg.eval
+    if ec.path is not None:
+        rows = read_rows(os.path.expanduser(ec.path))[:ec.num_prompts]
+        return [Prompt(text=text, label=label, index=i) for i, (text, label) in enumerate(rows)]
+    if isinstance(cfg.task, JsonlTaskConfig):
+        logger.warning("eval: task=jsonl without eval.path draws its prompts from the training "
+                       "file (not held out); set eval.path to a file of held-out prompts")
+    return build_task(dataclasses.replace(cfg.task, seed=cfg.task.seed + ec.seed_offset)).next_prompts(
+        ec.num_prompts)
 
 
 class RolloutManager:
@@ -56,6 +74,7 @@ class RolloutManager:
         self._closed = False
         self._stream: Stream | None = None
         self._shown_prompt = False
+        self._eval_prompts: list[Prompt] | None = None
         self._skip: set[int] = set()
         """Prompt indices ahead of the data position that a resumed run must not draw again
         (fully async trains groups in the order they finish, not the order they started)."""
@@ -174,6 +193,30 @@ class RolloutManager:
                 self.store.remove(refs)  # nothing half-written stays behind
                 raise
         return refs
+
+    # -- evaluation ----------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Answer the held-out prompts (``eval``) with the engines' current weights and score
+        them with the task's reward: ``eval/reward_mean``, ``eval/pass@<n>`` (prompts with an
+        answer of full reward), ``eval/response_len_mean``, ``eval/truncated_frac``,
+        ``eval/time``. Nothing is stored or trained: the sample ids, the data position and
+        the fully async accounting are untouched."""
+        ec, rc = self.cfg.eval, self.cfg.rollout
+        t0 = time.perf_counter()
+        if self._eval_prompts is None:
+            self._eval_prompts = held_out_prompts(self.cfg)
+        prompts = self._eval_prompts
+        sampling = {**rc.sampling_params(), **({"temperature": 0.0} if ec.greedy else {})}
+        answers = asyncio.run(generate_groups(self.pool, self.encode(prompts), ec.n_samples, sampling,
+                                              rc.request_timeout_s, label="eval"))
+        finished = [[a["meta_info"]["finish_reason"]["type"] == "stop" for a in g] for g in answers]
+        rewards = np.asarray([[self.task.reward(a["text"], p.label, done) for a, done in zip(g, f)]
+                              for p, g, f in zip(prompts, answers, finished)], dtype=np.float64)
+        return {"eval/reward_mean": float(rewards.mean()),
+                f"eval/pass@{ec.n_samples}": float((rewards >= 1.0).any(axis=1).mean()),
+                "eval/response_len_mean": float(np.mean([len(a["output_ids"]) for g in answers for a in g])),
+                "eval/truncated_frac": 1.0 - float(np.mean(finished)),
+                "eval/time": time.perf_counter() - t0}
 
     # -- bookkeeping ---------------------------------------------------------------------
     def state_dict(self) -> dict:

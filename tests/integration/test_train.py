@@ -108,3 +108,29 @@ def test_flat_groups_kept_still_take_an_optimizer_step(tmp_path):
     assert r["train/optimizer_steps"] == 1, r
     assert r["train/grad_norm"] == 0.0 and r["train/loss"] == 0.0, r
     assert_nothing_left(engine_ports(proc.stdout))
+
+
+def test_evaluation_scores_held_out_prompts_with_the_task_reward(tmp_path):
+    """``eval``: after every ``eval.every`` steps and after the last, the engines answer the
+    held-out file's prompts with the weights just pushed and the task's reward scores them.
+    ``finished_reward`` pays 1 exactly for an answer that ends, so the eval reward is the
+    finished fraction; greedy answers of a prompt are all alike, so pass@2 equals it too."""
+    data, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "x"}}\n' for c in "abcd"))
+    held_out.write_text("".join(f'{{"prompt": "{c}{c}:", "label": "x"}}\n' for c in "efghij"))
+    out = tmp_path / "out"
+    proc = train("task=jsonl", f"task.path={data}",
+                 "task.reward._target_=tests.support.helpers.finished_reward", "logger=console",
+                 "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                 "rollout.max_new_tokens=4", "num_steps=3", "checkpoint.every=0", "eval.every=2",
+                 f"eval.path={held_out}", "eval.num_prompts=5", "eval.n_samples=2", "eval.greedy=true",
+                 f"output_dir={out}")
+    rows = read_metrics(out)
+    assert ["eval/reward_mean" in r for r in rows] == [False, True, True]  # after steps 2 and 3
+    for r in rows[1:]:
+        assert r["eval/reward_mean"] == pytest.approx(1.0 - r["eval/truncated_frac"])
+        assert r["eval/pass@2"] == pytest.approx(r["eval/reward_mean"])
+        assert 0.0 <= r["eval/reward_mean"] <= 1.0 and r["eval/time"] > 0
+        assert 0 < r["eval/response_len_mean"] <= 4
+    assert "eval after step 2: reward" in proc.stdout and "eval after step 3: reward" in proc.stdout
+    assert_nothing_left(engine_ports(proc.stdout))
