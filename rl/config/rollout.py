@@ -5,12 +5,16 @@ is composed in ``rl/rollout/engines/commands.py``."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from omegaconf import MISSING
 
 from rl.config.checks import positive
+
+DEFAULT_ROLLOUT_FUNCTION = "rl.rollout.functions:single_turn"
+_FUNCTION_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 if TYPE_CHECKING:
     from rl.config.cluster import ClusterConfig
@@ -61,6 +65,10 @@ class RolloutConfig:
     max_inflight_batches: int = 2
     """Fully async: batches generated or being generated and not yet trained on; it bounds
     the batches held in the store, and a sample's staleness to this minus one."""
+    function: str = DEFAULT_ROLLOUT_FUNCTION
+    """The rollout function, ``module:callable``: turns one prompt group into its samples
+    (single-turn by default; multi-turn tool use: ``rl.rollout.functions:calculator_tool``;
+    your own: docs/rollout.md). Imported before anything starts."""
     pause_mode: str = "retract"
     """How engines pause for a weight sync (SGLang's ``pause_generation`` mode): ``retract``
     or ``in_place``; requests in flight are kept either way."""
@@ -78,6 +86,9 @@ class RolloutConfig:
         if self.pause_mode not in ("retract", "in_place"):
             raise ValueError(f"rollout.pause_mode={self.pause_mode!r}: use 'retract' or 'in_place' "
                              f"('abort' would end the requests in flight)")
+        if not _FUNCTION_PATH.match(self.function):
+            raise ValueError(f"rollout.function={self.function!r}: name it as module:callable, "
+                             f"e.g. {DEFAULT_ROLLOUT_FUNCTION}")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:

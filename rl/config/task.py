@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import MISSING, DictConfig
 
 from rl.config.checks import positive
+from rl.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 
 if TYPE_CHECKING:
     from rl.config.rollout import RolloutConfig
@@ -75,6 +76,27 @@ class AdditionTaskConfig(TaskConfig):
 
 
 @dataclass(kw_only=True)
+class CalculatorTaskConfig(TaskConfig):
+    name: str = "calculator"
+    max_value: int = 99
+    """Largest operand of the sum."""
+
+    def __post_init__(self) -> None:
+        positive(self, "max_value")
+
+    def check_rollout(self, rollout: "RolloutConfig") -> None:
+        # a call (``99+99=``), the tool's result (``198 ``) and the answer (``198``, EOS):
+        # 6 + 4 + 4 tokens with the tiny model's tokenizer
+        if rollout.function == DEFAULT_ROLLOUT_FUNCTION:
+            raise ValueError("task=calculator answers through a tool: set rollout.function="
+                             "rl.rollout.functions:calculator_tool (or a tool-calling function of yours)")
+        if rollout.max_new_tokens < 16:
+            raise ValueError(f"task=calculator: rollout.max_new_tokens={rollout.max_new_tokens} bounds "
+                             f"the call, the tool's result and the answer together; set "
+                             f"rollout.max_new_tokens=16 (or more)")
+
+
+@dataclass(kw_only=True)
 class JsonlTaskConfig(TaskConfig):
     name: str = "jsonl"
     path: str = MISSING
@@ -92,5 +114,6 @@ class JsonlTaskConfig(TaskConfig):
 
 
 SCHEMAS: dict[str, type] = {"repeat_letter": RepeatLetterTaskConfig, "repeat_count": RepeatCountTaskConfig,
-                            "addition": AdditionTaskConfig, "jsonl": JsonlTaskConfig}
+                            "addition": AdditionTaskConfig, "calculator": CalculatorTaskConfig,
+                            "jsonl": JsonlTaskConfig}
 """Schema of each task (``schema/task/<key>``)."""

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, open_dict, read_write
 from rl.config import Config, load
 from rl.learner.checkpoint import TRAINER_STATE, prune, read_trainer_state, step_dir, write_trainer_state
 from rl.model import largest_param_bytes, resolve_model_path
+from rl.rollout.functions import load as load_rollout_function
 from rl.runtime import Runtime
 from rl.tasks.build import check_task
 
@@ -48,7 +49,9 @@ class CheckConfigFirst(Callback):
         with read_write(job), open_dict(job):
             del job["hydra"]
         try:
-            check_task(load(job).task)
+            cfg = load(job)
+            check_task(cfg.task)
+            load_rollout_function(cfg.rollout.function)
         except Exception as e:  # whatever load raises is the user's config error, reported
             raise SystemExit(f"{type(e).__name__}: {e}") from None  # Hydra's callbacks swallow Exception
 

@@ -1,11 +1,11 @@
-"""The step's batch, from the engines' answers to the learners' partitions (pure functions).
+"""The step's batch, from the samples to the learners' partitions (pure functions).
 
-``build_batch`` turns SGLang ``/generate`` answers into a ``RolloutBatch``: tokens and
-log-probs exactly as sampled, rewards, GRPO advantages (``grpo_advantages``), and each
-sample's weight version, the oldest it saw (``sample_weight_version``); ``zero_std_groups``
-counts (and may mask) the groups without a learning signal; ``split_balanced`` splits the
-batch over the learner ranks; ``encode_prompt`` turns a prompt's text into the token ids the
-engines get.
+``build_batch`` turns the rollout function's samples (``rl.rollout.functions``) into a
+``RolloutBatch``: tokens, loss masks and log-probs exactly as sampled, rewards, GRPO
+advantages (``grpo_advantages``), and each sample's weight version, the oldest it saw
+(``sample_weight_version``); ``zero_std_groups`` counts (and may mask) the groups without a
+learning signal; ``split_balanced`` splits the batch over the learner ranks;
+``encode_prompt`` turns a prompt's text into the token ids the engines get.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from rl.rollout.functions import Sample
 from rl.tasks import Prompt
 from rl.types import RolloutBatch
 from transfer.data.base import Ragged
@@ -58,44 +59,39 @@ def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
     return [sorted(o) for o in out]
 
 
-def build_batch(prompts: list[Prompt], prompt_ids: list[list[int]], answers: list[list[dict]],
+def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
                 reward: Callable[[str, str, bool], float], *, group_size: int, std_norm: bool,
                 first_sample_id: int) -> RolloutBatch:
-    """The training batch of one step: each prompt's answers (SGLang ``/generate`` answers,
+    """The training batch of one step: each prompt's samples (from the rollout function,
     grouped by prompt), scored by ``reward(text, label, finished)``, with GRPO advantages over
     each group of ``group_size`` and sample ids counted from ``first_sample_id``."""
-    # Ragged fields are built flat: every sample's ids and log-probs appended to one list,
-    # made one array each at the end (no per-sample arrays).
-    tokens, logps, plen, rlen, rewards = [], [], [], [], []
-    groups, reasons, labels, versions = [], [], [], []
-    for prompt, ids, group in zip(prompts, prompt_ids, answers):
-        for ans in group:
-            meta = ans["meta_info"]
-            out_ids = ans["output_ids"]
-            lp = [float(x[0]) for x in meta["output_token_logprobs"]]
-            if len(lp) != len(out_ids):
-                raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(out_ids)} tokens")
-            finished = meta["finish_reason"]["type"] == "stop"
-            tokens += ids
-            tokens += out_ids  # exactly as sampled
-            logps += lp
-            plen.append(len(ids))
-            rlen.append(len(out_ids))
-            rewards.append(reward(ans["text"], prompt.label, finished))
-            groups.append(prompt.index)
-            reasons.append("stop" if finished else "length")
+    # Ragged fields are built flat: every sample's ids, mask and log-probs appended to one
+    # list, made one array each at the end (no per-sample arrays).
+    tokens, mask, logps, plen, rlen, rewards = [], [], [], [], [], []
+    group_ids, reasons, labels, versions = [], [], [], []
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            tokens += s.prompt_ids
+            tokens += s.response_ids  # exactly as sampled (and appended)
+            mask += s.loss_mask
+            logps += s.logprobs
+            plen.append(len(s.prompt_ids))
+            rlen.append(len(s.response_ids))
+            rewards.append(reward(s.text, prompt.label, s.finished))
+            group_ids.append(prompt.index)
+            reasons.append("stop" if s.finished else "length")
             labels.append(prompt.label)
-            versions.append(sample_weight_version(meta))
+            versions.append(min(sample_weight_version(meta) for meta in s.meta_info))
     n = len(plen)
     plen_np, rlen_np = np.asarray(plen, dtype=np.int32), np.asarray(rlen, dtype=np.int32)
     rewards_np = np.asarray(rewards, dtype=np.float32)
     return RolloutBatch(
         tokens=Ragged.from_lengths(np.asarray(tokens, dtype=np.int32), plen_np + rlen_np),
-        loss_mask=Ragged.from_lengths(np.ones(int(rlen_np.sum()), dtype=np.int8), rlen_np),
+        loss_mask=Ragged.from_lengths(np.asarray(mask, dtype=np.int8), rlen_np),
         rollout_logprobs=Ragged.from_lengths(np.asarray(logps, dtype=np.float32), rlen_np),
         prompt_len=plen_np, response_len=rlen_np,
         rewards=rewards_np, advantages=grpo_advantages(rewards_np, group_size, std_norm),
-        group_id=np.asarray(groups, dtype=np.int64),
+        group_id=np.asarray(group_ids, dtype=np.int64),
         sample_id=np.arange(first_sample_id, first_sample_id + n, dtype=np.int64),
         weight_version=np.asarray(versions, dtype=np.int64),
         finish_reason=reasons, label=labels)

@@ -1,5 +1,6 @@
 """The HTTP fan-out: one step's requests spread over the engines in service.
 
+``run_groups`` runs every prompt group of a step at once (the rollout function's calls);
 ``generate_groups`` sends one request per prompt, all in flight at once; ``EnginePool``
 sends each to the live engine with the fewest requests in flight and, with rollout fault
 tolerance, sends a request again when its engine dies. Which engine is in service is the
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from typing import Any, Awaitable, Callable
 
 from rl.rollout.client import EngineError
 from rl.rollout.fleet import EngineSet
@@ -99,14 +101,49 @@ class EnginePool:
             task.cancel()
 
 
-# A module-level coroutine: an ``async def`` method would turn the Ray actor into an
-# asyncio actor, whose running event loop forbids ``asyncio.run`` in ``generate``.
+# Module-level coroutines: an ``async def`` method would turn the Ray actor into an asyncio
+# actor, whose running event loop forbids ``asyncio.run`` in ``generate``.
+async def run_groups(run: Callable[[Any, int], Awaitable[list]], count: int, n: int, label: str = "",
+                     stop: threading.Event | None = None) -> list[list]:
+    """``await run(session, i)`` for every group ``i < count`` (``n`` samples each), all in
+    flight at once on one aiohttp session; their results in group order. ``stop`` set by
+    another thread cancels every group and raises ``Stopped``."""
+    import aiohttp  # start-up cost: the driver imports this module to make the actor (0.15 s)
+
+    total, done = count * n, 0
+    t0 = last_print = time.perf_counter()
+
+    async def one(session, i: int) -> list:
+        nonlocal done, last_print
+        group = await run(session, i)
+        done += n
+        now = time.perf_counter()
+        if now - last_print > 5.0:  # long generations (real models) show progress
+            last_print = now
+            logger.info("%s: %d/%d samples, %.0fs", label, done, total, now - t0)
+        return group
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.ensure_future(one(session, i)) for i in range(count)]
+        everything = asyncio.gather(*tasks)
+        try:
+            while stop is not None and not everything.done():
+                await asyncio.wait([everything], timeout=0.1)
+                if stop.is_set():
+                    raise Stopped
+            return await everything
+        finally:  # one failed group ends the gather but not its siblings: cancel each
+            for t in tasks:
+                t.cancel()
+
+
 async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int, sampling: dict,
                           timeout_s: float, label: str = "",
                           stop: threading.Event | None = None) -> list[list[dict]]:
-    """``n`` samples per prompt, one request per prompt (``sampling_params.n``), all in
-    flight at once; answers grouped by prompt. ``stop`` set by another thread cancels every
-    request and raises ``Stopped``.
+    """``n`` raw SGLang answers per prompt, one request per prompt (``sampling_params.n``),
+    all in flight at once (``run_groups``); answers grouped by prompt. Training batches go
+    through the rollout function (``rl.rollout.functions``), whose default sends the same
+    requests; evaluation sends these.
 
     One request per prompt rather than per sample: 64 x 8 separate requests spent most of a
     default step's generation in HTTP and batching overhead (docs/benchmarks.md). SGLang
@@ -116,32 +153,10 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
     versions (``rl.rollout.batch.sample_weight_version``); a request per prompt (not one per
     batch) keeps SGLang's prefix warm-up of each prompt concurrent, where a batch with
     ``n > 1`` runs them one by one."""
-    import aiohttp  # start-up cost: the driver imports this module to make the actor (0.15 s)
-
-    total, done = len(prompt_ids) * n, 0
-    t0 = last_print = time.perf_counter()
     params = {**sampling, "n": n}
 
-    async def one(session, input_ids: list[int]) -> list[dict]:
-        nonlocal done, last_print
-        group = await pool.generate(session, {"input_ids": input_ids, "sampling_params": params,
-                                              "return_logprob": True}, timeout_s)
-        done += n
-        now = time.perf_counter()
-        if now - last_print > 5.0:  # long generations (real models) show progress
-            last_print = now
-            logger.info("%s: %d/%d samples, %.0fs", label, done, total, now - t0)
-        return group
+    async def one(session, i: int) -> list[dict]:
+        return await pool.generate(session, {"input_ids": prompt_ids[i], "sampling_params": params,
+                                             "return_logprob": True}, timeout_s)
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = [asyncio.ensure_future(one(session, ids)) for ids in prompt_ids]
-        everything = asyncio.gather(*tasks)
-        try:
-            while stop is not None and not everything.done():
-                await asyncio.wait([everything], timeout=0.1)
-                if stop.is_set():
-                    raise Stopped
-            return await everything
-        finally:  # one failed request ends the gather but not its siblings: cancel each
-            for t in tasks:
-                t.cancel()
+    return await run_groups(one, len(prompt_ids), n, label, stop)

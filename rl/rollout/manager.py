@@ -1,7 +1,8 @@
 """RolloutManager: turns prompts into a stored, partitioned training batch.
 
-Per step: draw prompts from the task, send one request per prompt for its
-``n_samples_per_prompt`` samples (``rl.rollout.fanout``), score each response, compute GRPO
+Per step: draw prompts from the task, run the rollout function (``rollout.function``,
+``rl.rollout.functions``; by default one request per prompt for its ``n_samples_per_prompt``
+samples) on every prompt group at once (``rl.rollout.fanout``), score each sample, compute GRPO
 advantages, build a ``RolloutBatch``, split it over the learner ranks balanced by token count
 (``rl.rollout.batch``), ``put`` each partition into the store and return a small
 ``RolloutRef``. The batch itself never goes back to the driver.
@@ -26,7 +27,8 @@ from rl.config import Config
 from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch, encode_prompt, split_balanced, zero_std_groups
 from rl.rollout.client import EngineError
-from rl.rollout.fanout import EnginePool, generate_groups
+from rl.rollout.fanout import EnginePool, generate_groups, run_groups
+from rl.rollout.functions import RolloutContext, RolloutFunction, Sample
 from rl.rollout.fleet import EngineFleet, SyncPlan
 from rl.rollout.stream import Stream
 from rl.runtime import Runtime
@@ -61,6 +63,10 @@ class RolloutManager:
         self.runtime = runtime
         self.tokenizer = load_tokenizer(runtime.model_path)
         self.task = build_task(cfg.task)
+        rc = cfg.rollout
+        self.rollout_fn = RolloutFunction(rc.function, n=rc.n_samples_per_prompt,
+                                          max_prompt_tokens=rc.max_prompt_tokens,
+                                          max_new_tokens=rc.max_new_tokens)
         self.fleet = EngineFleet(cfg, runtime, engine_placement, engine_env)
         self.pool: EnginePool | None = None
         self.store = data_path(cfg.transfer).build(runtime)
@@ -103,15 +109,26 @@ class RolloutManager:
             prompts = self.task.next_prompts(rc.prompts_per_step)
         prompt_ids = self.encode(prompts)
         retried = self.pool.retried
+
+        async def group(session, i: int) -> list[Sample]:
+            return await self.rollout_fn.group(self.context(session), prompts[i], prompt_ids[i])
+
         try:
-            answers = asyncio.run(generate_groups(self.pool, prompt_ids, rc.n_samples_per_prompt,
-                                                  rc.sampling_params(), rc.request_timeout_s,
-                                                  label=f"step {step}", stop=stop))
+            groups = asyncio.run(run_groups(group, len(prompts), rc.n_samples_per_prompt,
+                                            label=f"step {step}", stop=stop))
         except EngineError:
             self.raise_if_all_down()
             raise
-        return self.store_batch(step, prompts, prompt_ids, answers, started=started,
+        return self.store_batch(step, prompts, groups, started=started,
                                 gen_s=time.perf_counter() - t0, retried=self.pool.retried - retried)
+
+    def context(self, session) -> RolloutContext:
+        """What the rollout function gets: the engines through ``session``, the tokenizer,
+        the rollout's sampling settings."""
+        rc = self.cfg.rollout
+        return RolloutContext(pool=self.pool, session=session, timeout_s=rc.request_timeout_s,
+                              tokenizer=self.tokenizer, sampling_params=rc.sampling_params(),
+                              n_samples_per_prompt=rc.n_samples_per_prompt)
 
     def encode(self, prompts: list[Prompt]) -> list[list[int]]:
         """The prompts' token ids as the engines get them (too long: a clear error)."""
@@ -132,13 +149,12 @@ class RolloutManager:
         if self.pool.retry and not self.fleet.engines.live():  # every engine down: say how each ended
             raise RuntimeError("every engine is down:\n" + self.fleet.describe()) from None
 
-    def store_batch(self, step: int, prompts: list[Prompt], prompt_ids: list[list[int]],
-                    answers: list[list[dict]], *, started: float, gen_s: float,
-                    retried: int) -> RolloutRef:
+    def store_batch(self, step: int, prompts: list[Prompt], groups: list[list[Sample]], *,
+                    started: float, gen_s: float, retried: int) -> RolloutRef:
         """Score, build, partition and store one batch of answered groups; returns its ref."""
         rc = self.cfg.rollout
         with self._lock:
-            batch = self._build_batch(prompts, prompt_ids, answers)
+            batch = self._build_batch(prompts, groups)
         zero_std = zero_std_groups(batch, rc.n_samples_per_prompt, drop=self.cfg.algo.drop_zero_std_groups)
         parts = split_balanced(batch.prompt_len + batch.response_len, self.cfg.cluster.num_learners)
         refs = self._put_partitions(batch, parts, step)
@@ -169,10 +185,9 @@ class RolloutManager:
                           weight_versions=batch.weight_version.tolist(),
                           prompt_indices=[p.index for p in prompts])
 
-    def _build_batch(self, prompts: list[Prompt], prompt_ids: list[list[int]],
-                     answers: list[list[dict]]) -> RolloutBatch:
+    def _build_batch(self, prompts: list[Prompt], groups: list[list[Sample]]) -> RolloutBatch:
         rc = self.cfg.rollout
-        batch = build_batch(prompts, prompt_ids, answers, self.task.reward,
+        batch = build_batch(prompts, groups, self.task.reward,
                             group_size=rc.n_samples_per_prompt,
                             std_norm=self.cfg.algo.advantage_std_norm,
                             first_sample_id=self.next_sample_id)
@@ -197,7 +212,8 @@ class RolloutManager:
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Answer the held-out prompts (``eval``) with the engines' current weights and score
-        them with the task's reward: ``eval/reward_mean``, ``eval/pass@<n>`` (prompts with an
+        them with the task's reward (single-turn: one request per prompt, whatever
+        ``rollout.function``): ``eval/reward_mean``, ``eval/pass@<n>`` (prompts with an
         answer of full reward), ``eval/response_len_mean``, ``eval/truncated_frac``,
         ``eval/time``. Nothing is stored or trained: the sample ids, the data position and
         the fully async accounting are untouched."""

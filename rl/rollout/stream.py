@@ -2,7 +2,8 @@
 one on a thread of the rollout manager, batches formed from the first groups that finish,
 queued as store refs.
 
-A group (one prompt, ``n_samples_per_prompt`` answers, one request) is **admitted** only when
+A group (one prompt, its ``n_samples_per_prompt`` samples from one call of the rollout
+function: one request with the default) is **admitted** only when
 
 * it fits the store: groups admitted and not yet handed out stay within
   ``rollout.max_inflight_batches`` batches, so the store never holds more than that many;
@@ -94,12 +95,12 @@ class Stream:
     async def _generate(self, step: int) -> None:
         import aiohttp  # start-up cost: only the manager's process generates
 
-        m, rc = self.manager, self.manager.cfg.rollout
-        params = {**rc.sampling_params(), "n": rc.n_samples_per_prompt}
+        m = self.manager
         pending: dict[asyncio.Future, tuple] = {}  # request -> (prompt, ids, started at)
         finished: list[tuple] = []  # groups answered, not yet a whole batch
         retried = m.pool.retried
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            ctx = m.context(session)
             try:
                 while not self.stopping.is_set():
                     while self.may_admit():
@@ -108,9 +109,7 @@ class Stream:
                         with self.cond:
                             self.open_prompts[prompt.index] = position
                             self.admitted += 1
-                        payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
-                        request = asyncio.ensure_future(
-                            m.pool.generate(session, payload, rc.request_timeout_s))
+                        request = asyncio.ensure_future(m.rollout_fn.group(ctx, prompt, ids))
                         pending[request] = (prompt, ids, time.time())
                     if not pending:
                         await asyncio.sleep(0.05)  # waiting for a release to admit more
@@ -126,9 +125,9 @@ class Stream:
                     while len(finished) >= self.per_batch:
                         groups, finished = finished[:self.per_batch], finished[self.per_batch:]
                         started = min(g[3] for g in groups)
-                        ref = m.store_batch(step, [g[0] for g in groups], [g[1] for g in groups],
-                                            [g[2] for g in groups], started=started,
-                                            gen_s=time.time() - started, retried=m.pool.retried - retried)
+                        ref = m.store_batch(step, [g[0] for g in groups], [g[2] for g in groups],
+                                            started=started, gen_s=time.time() - started,
+                                            retried=m.pool.retried - retried)
                         retried = m.pool.retried
                         with self.cond:
                             self.ledger[step] = {"batch": step, "prompts": ref.prompt_indices,

@@ -12,10 +12,10 @@ import importlib
 import os
 from typing import Callable
 
-from rl.config.task import (AdditionTaskConfig, JsonlTaskConfig, RepeatCountTaskConfig,
+from rl.config.task import (AdditionTaskConfig, CalculatorTaskConfig, JsonlTaskConfig, RepeatCountTaskConfig,
                             RepeatLetterTaskConfig, TaskConfig)
 from rl.tasks import Task
-from rl.tasks.builtin import AdditionTask, RepeatCountTask, RepeatLetterTask
+from rl.tasks.builtin import AdditionTask, CalculatorTask, RepeatCountTask, RepeatLetterTask
 from rl.tasks.jsonl import JsonlTask, read_rows
 
 
@@ -31,6 +31,10 @@ def addition_task(cfg: AdditionTaskConfig) -> AdditionTask:
     return AdditionTask(max_value=cfg.max_value, seed=cfg.seed)
 
 
+def calculator_task(cfg: CalculatorTaskConfig) -> CalculatorTask:
+    return CalculatorTask(max_value=cfg.max_value, seed=cfg.seed)
+
+
 def jsonl_task(cfg: JsonlTaskConfig) -> JsonlTask:
     return JsonlTask(path=os.path.expanduser(cfg.path), reward=cfg.reward, seed=cfg.seed)
 
@@ -38,6 +42,7 @@ def jsonl_task(cfg: JsonlTaskConfig) -> JsonlTask:
 BUILDERS: dict[type, Callable[..., Task]] = {RepeatLetterTaskConfig: repeat_letter_task,
                                              RepeatCountTaskConfig: repeat_count_task,
                                              AdditionTaskConfig: addition_task,
+                                             CalculatorTaskConfig: calculator_task,
                                              JsonlTaskConfig: jsonl_task}
 """Builder of each ``task`` schema class."""
 

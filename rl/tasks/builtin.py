@@ -8,6 +8,7 @@ unfinished answers the policy never learns to stop (measured on the tiny model: 
 from __future__ import annotations
 
 import random
+import re
 import string
 
 from rl.tasks import Prompt
@@ -94,3 +95,36 @@ class AdditionTask(_StreamTask):
             return 0.0
         hits = sum(a == b for a, b in zip(reversed(response), reversed(label)))
         return hits / max(len(response), len(label))
+
+
+CALCULATOR_CALL_END = "="
+"""Ends a calculator call: the model writes ``12+34=`` and the environment appends ``46 ``."""
+_CALL = re.compile(r"^\s*(-?\d+)\s*([+*-])\s*(-?\d+)\s*$")
+
+
+def calculator(expression: str) -> str:
+    """The calculator tool: ``a+b``, ``a-b`` or ``a*b`` of integers (the text of a call,
+    before ``=``) -> the result's digits; anything else -> ``error``."""
+    m = _CALL.match(expression)
+    if m is None:
+        return "error"
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    return str(a + b if op == "+" else a - b if op == "-" else a * b)
+
+
+class CalculatorTask(_StreamTask):
+    """Tool use: ``sum 12 34:`` -> the model calls the calculator (``12+34=``), reads its
+    result (``46 ``, appended by the environment: ``rl.rollout.functions.calculator_tool``)
+    and answers ``46``. Reward: 1 when the final answer (the text after the last tool result)
+    is the sum and ended with an end-of-sequence token, else 0."""
+
+    def __init__(self, max_value: int = 99, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.max_value = max_value
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
+        return f"sum {a} {b}:", str(a + b)
+
+    def reward(self, response: str, label: str, finished: bool) -> float:
+        return float(finished and response.strip() == label)

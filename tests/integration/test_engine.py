@@ -1,6 +1,7 @@
 """The CPU engine: SGLang protocol answers, one 400 for bad input, log-probs equal a forward
-pass, weight updates through the broadcast path land bit for bit, start-up failures are
-reported with the log."""
+pass, weight updates through the broadcast path land bit for bit, a sync while requests are
+retracted splits their answers between two versions, start-up failures are reported with
+the log."""
 
 from __future__ import annotations
 
@@ -283,6 +284,73 @@ def test_broadcast_weight_update_is_bit_exact(server, tiny_path):
 
 OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() "
                    "and end_weight_update()")
+
+
+def test_a_sync_while_retracted_splits_answers_between_versions(server, tiny_path):
+    """As the fully async loop syncs: greedy requests run, ``/pause_generation`` retract, a
+    whole push of visibly different weights (version 11), ``/continue_generation``. Every
+    answer's spans cover its tokens in order; an answer the pause caught part-way (two
+    spans, one retraction) holds the old weights' greedy tokens and log-probs before the
+    sync, the new weights' (recomputed over the whole sequence) after it, and counts as the
+    old version in a batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl.rollout.batch import sample_weight_version
+
+    old_model = load_model(tiny_path)
+    new_model = load_model(tiny_path)
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    client = EngineClient(server, "engine-0")
+    sync = BroadcastSync(rank=0, master_address="127.0.0.1", bucket_bytes=1 << 20,
+                         backend="gloo", timeout_s=60)
+    sync.connect([client])
+    prompts = [[5 + i % 7, 6 + i % 5] for i in range(32)]
+    body = {"input_ids": prompts, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 100, "temperature": 0.0, "ignore_eos": True}}
+    running = lambda: requests.get(server + "/server_info", timeout=5).json()[  # noqa: E731
+        "internal_states"][0]["running_requests"]
+    try:
+        sync.push(old_model.named_parameters(), version=10)
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(_post, server, "/generate", body)
+            _until(lambda: running() > 0)
+            time.sleep(0.02)  # a few of the 100 steps (about 3 ms each here), not all of them
+            client.pause_generation("retract")
+            try:
+                sync.push(new_model.named_parameters(), version=11)
+            finally:
+                client.continue_generation()
+            code, answers = sent.result(timeout=120)
+    finally:
+        sync.close()
+    assert code == 200
+    straddling = 0
+    for prompt, ans in zip(prompts, answers):
+        meta, out = ans["meta_info"], ans["output_ids"]
+        spans = meta["weight_versions"]
+        assert [(s["start"], s["end"]) for s in spans] == \
+            list(zip([0] + [s["end"] for s in spans[:-1]], [s["end"] for s in spans]))
+        assert spans[-1]["end"] == len(out) == 100 and meta["weight_version"] == spans[-1]["version"]
+        if [s["version"] for s in spans] != ["10", "11"]:
+            assert [s["version"] for s in spans] == ["10"]  # done before the pause caught it
+            continue
+        straddling += 1
+        k = spans[0]["end"]
+        assert [(w.version, w.start, w.end) for w in _sglang_answer(ans).meta_info.weight_versions] == \
+            [("10", 0, k), ("11", k, 100)]
+        assert meta["num_retractions"] == 1 and sample_weight_version(meta) == 10
+        got = torch.tensor([x[0] for x in meta["output_token_logprobs"]])
+        for model, part in ((old_model, slice(0, k)), (new_model, slice(k, None))):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out)[:, None]).squeeze(-1)
+            assert out[part] == logits.argmax(-1).tolist()[part]
+            torch.testing.assert_close(got[part], want[part], atol=2e-5, rtol=1e-5)
+    assert straddling > 0, "the pause caught no request part-way"
+
 
 
 def test_weight_update_sessions_follow_sglang(server):

@@ -1,8 +1,9 @@
 """``train.py`` as a user runs it, a few steps each: an engine that fails to start stops the
 run and the learners setting up, a chat checkpoint on both weight paths, flat groups dropped
-or kept. The runs connect to the module's ``ray start --head`` (``shared_ray``), as on a
-multi-node cluster. Resume and Ctrl-C: tests/e2e/test_train.py; the reward rising:
-tests/e2e/test_learning.py."""
+or kept, held-out evaluation, the multi-turn calculator task through its rollout function
+(step by step and fully async), a rollout function that cannot be imported. The runs
+connect to the module's ``ray start --head`` (``shared_ray``), as on a multi-node cluster.
+Resume and Ctrl-C: tests/e2e/test_train.py; the reward rising: tests/e2e/test_learning.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from tests.support.env import REPO, compose
-from tests.support.runs import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
+from tests.support.runs import (REQUIRED, assert_nothing_left, engine_ports, read_metrics, train,
+                                train_async)
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
 
@@ -134,3 +136,42 @@ def test_evaluation_scores_held_out_prompts_with_the_task_reward(tmp_path):
         assert 0 < r["eval/response_len_mean"] <= 4
     assert "eval after step 2: reward" in proc.stdout and "eval after step 3: reward" in proc.stdout
     assert_nothing_left(engine_ports(proc.stdout))
+
+
+CALCULATOR = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
+              "rollout.max_new_tokens=16", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+              "logger=console", "checkpoint.every=0")
+
+
+@pytest.mark.parametrize("entry", ["train.py", "train_async.py"])
+def test_calculator_task_trains_through_its_multi_turn_rollout_function(entry, tmp_path):
+    """``task=calculator`` with ``rollout.function=rl.rollout.functions:calculator_tool``: each
+    group goes through the tool loop, step by step (``train.py``, over Mooncake and the p2p
+    weight path) and fully async (``train_async.py rollout.fully_async=true``, a group at a
+    time, over Ray and broadcast); the run trains, logs every step and ends cleanly. The loss
+    mask of a sample, token by token: tests/unit/test_rollout_functions.py."""
+    if entry == "train.py":
+        proc = train(*CALCULATOR, "transfer=mooncake_tcp", "weights=p2p", "num_steps=2",
+                     f"output_dir={tmp_path}")
+    else:
+        proc = train_async(*CALCULATOR, "transfer=ray", "weights=broadcast", "rollout.fully_async=true",
+                           "num_steps=2", f"output_dir={tmp_path}")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, missing
+        assert 0.0 <= r["rollout/reward_mean"] <= 1.0
+        assert 0 < r["rollout/response_len_mean"] <= 16
+    assert "step 2/2 | reward" in proc.stdout
+    assert_nothing_left(engine_ports(proc.stdout))
+
+
+def test_a_rollout_function_that_cannot_be_imported_stops_the_run_before_it_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "rollout.function=rl.rollout.functions:nope",
+                           f"output_dir={tmp_path / 'out'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    message = "rollout.function='rl.rollout.functions:nope' cannot be imported"
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written

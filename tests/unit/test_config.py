@@ -24,6 +24,8 @@ def _required(group: str, option: str, tmp_path, tiny_path) -> list[str]:
         return ["cluster.gpus_per_engine=1", "model.dtype=bfloat16"]
     if (group, option) == ("task", "repeat_count"):
         return ["rollout.max_new_tokens=41"]  # its longest answer, 40 letters, and the EOS
+    if (group, option) == ("task", "calculator"):  # its tool loop, and room for call, result, answer
+        return ["rollout.function=rl.rollout.functions:calculator_tool", "rollout.max_new_tokens=16"]
     if (group, option) == ("task", "jsonl"):
         data = tmp_path / "train.jsonl"
         data.write_text(json.dumps({"prompt": "a:", "label": "aaaa"}) + "\n")

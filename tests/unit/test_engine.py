@@ -30,12 +30,12 @@ def test_a_burst_longer_than_the_wait_is_decoded_as_one_batch(tiny_path):
     gap of ``batch_wait_s`` closes the batch."""
     import asyncio
 
-    from rl.rollout.engines.hf_server import BatchScheduler
+    from rl.rollout.engines.scheduler import BatchScheduler
 
     class Recording(HFEngine):  # the real engine, noting the rows of each batch it decodes
-        def generate(self, reqs):
-            self.batches.append(len(reqs))
-            return super().generate(reqs)
+        def run(self, states, pause=None):
+            self.batches.append(len(states))
+            return super().run(states, pause)
 
     tok = load_tokenizer(tiny_path)
     engine = Recording(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)

@@ -16,8 +16,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rl.rollout.batch import build_batch, sample_weight_version
+from rl.rollout.engines import weight_versions as ours
+from rl.rollout.functions import Sample
 from rl.tasks import Prompt
 from tests.support import sglang_release as sgl
 
@@ -62,9 +66,10 @@ def _sync(wv, live: list[Request], old: str) -> None:
 
 
 def _batch(metas: list[dict]):
-    answers = [[{"text": "x", "output_ids": [t for _, t, _ in m["output_token_logprobs"]], "meta_info": m}
+    samples = [[Sample.from_answer([1, 2, 3], {"text": "x", "meta_info": m,
+                                               "output_ids": [t for _, t, _ in m["output_token_logprobs"]]})
                 for m in metas]]
-    return build_batch([Prompt(text="q", label="a", index=0)], [[1, 2, 3]], answers,
+    return build_batch([Prompt(text="q", label="a", index=0)], samples,
                        lambda text, label, finished: 0.0, group_size=len(metas), std_norm=True,
                        first_sample_id=0)
 
@@ -111,18 +116,51 @@ def test_without_spans_the_one_version_is_taken():
 
 
 def test_the_cpu_engine_answers_spans_as_sglang_does(wv):
-    """The CPU engine finishes a batch under one version: its answer is what SGLang writes
-    for a request that saw no sync."""
+    """A CPU engine answer with no version change is what SGLang writes for a request that
+    saw no sync; one with changes (a retraction or a pause in place across syncs) is what
+    SGLang writes for the same changes."""
     from rl.rollout.engines.hf_engine import GenResult
     from rl.rollout.engines.protocol import Generate, answer
     from rl.rollout.engines.sampling import GenRequest
 
+    g = Generate(reqs=[GenRequest(input_ids=[1, 2])], single=True, return_logprob=True)
+    tok = SimpleNamespace(decode=lambda ids: "x")
     res = GenResult(output_ids=[4, 5, 6], logprobs=[-1.0] * 3, finish_reason={"type": "length", "length": 3},
                     weight_version="9", text="abc")
-    g = Generate(reqs=[GenRequest(input_ids=[1, 2])], single=True, return_logprob=True)
-    meta = answer(g, 0, res, 0.1, SimpleNamespace(decode=lambda ids: "x"))["meta_info"]
+    meta = answer(g, 0, res, 0.1, tok)["meta_info"]
     req = Request()
     req.decode(3)
     want = _finish(wv, req, "9")
     assert meta["weight_version"] == want["weight_version"] == "9"
     assert meta["weight_versions"] == want["weight_versions"]
+    assert meta["num_retractions"] == want["num_retractions"] == 0
+
+    req = Request()
+    req.decode(2)
+    _sync(wv, [req], old="3")
+    req.decode(4)
+    want = _finish(wv, req, "4")
+    res = GenResult(output_ids=[7] * 6, logprobs=[-1.0] * 6, finish_reason={"type": "length", "length": 6},
+                    weight_version="4", version_events=[ours.VersionEvent("3", 2)], num_retractions=1)
+    meta = answer(g, 0, res, 0.1, tok)["meta_info"]
+    assert (meta["weight_versions"], meta["weight_version"]) == (want["weight_versions"], "4")
+    assert meta["num_retractions"] == 1
+
+
+_events = st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 12)), max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=_events, current=st.sampled_from("abc"), n=st.integers(0, 12), visible=st.integers(0, 12))
+def test_the_engines_span_code_is_sglangs(wv, events, current, n, visible):
+    """Any events, current version and token counts: the engine's ``weight_version_spans``
+    and ``add_weight_versions_to_meta_info`` give what the pinned wheel's give."""
+    theirs = wv.compute_weight_version_spans(
+        [wv.WeightVersionEvent(old_version=v, num_output_tokens=k) for v, k in events], current, n)
+    mine = ours.weight_version_spans([ours.VersionEvent(v, k) for v, k in events], current, n)
+    assert mine == [{"version": s.version, "start": s.start, "end": s.end} for s in theirs]
+    want: dict = {}
+    wv.add_weight_versions_to_meta_info(want, theirs, num_output_tokens=visible)
+    got: dict = {}
+    ours.add_weight_versions_to_meta_info(got, mine, num_output_tokens=visible)
+    assert got == want

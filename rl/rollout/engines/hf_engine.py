@@ -7,6 +7,30 @@ first stop string found in its decoded tail, else at a stop token (EOS or
 else at ``max_new_tokens``. Weight updates follow SGLang's session rules
 (``scheduler_components/weight_updater.py``): ``update_weights_from_distributed`` runs only
 between ``begin_weight_update`` and ``end_weight_update``, and refuses before receiving.
+
+Pausing follows SGLang 0.5.23's ``Scheduler.pause_generation`` (``managers/scheduler.py``;
+the modes are documented on ``PauseGenerationReqInput`` in ``managers/io_struct.py``). A
+batch asks its ``PausePoint`` between two decode steps, after sampling a token and before
+the next forward pass:
+
+- ``retract``: every unfinished request leaves the batch (``retract_all``): it keeps its
+  output tokens and their log-probs, drops its KV cache, and counts a retraction
+  (``Req.reset_for_retract``). Run again (after ``continue_generation``), its prompt and
+  output so far are prefilled anew under the weights then in force, so its KV and every
+  later token come from those weights alone ("recomputed after continue_generation"); as in
+  SGLang the re-prefilled batch builds fresh penalty state (``SamplingBatchInfo
+  .from_schedule_batch`` prepares ``penaltylib``'s frequency, presence and min_new_tokens
+  counters at zero), so those count the output from the resumption on.
+- ``in_place``: the batch stays as it is, KV cache included, and waits with the engine's
+  lock released, so weights can be updated meanwhile; after ``continue_generation`` it
+  decodes on with the new weights over the old KV cache ("continue generation after
+  continue_generation with the old kv cache").
+
+Either way each output token's log-prob is computed by the weights that sampled it, and a
+request that saw a version change answers its versions as SGLang's spans
+(``weight_versions``). A weight update outside a pause waits for the running batch to end,
+as SGLang's ``model_update_lock`` makes it wait for the requests in flight
+(``tokenizer_control_mixin.update_weights_from_distributed``).
 """
 
 from __future__ import annotations
@@ -14,14 +38,19 @@ from __future__ import annotations
 import hashlib
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from rl.rollout.engines.sampling import BatchSampler, GenRequest
+from rl.rollout.engines.weight_versions import VersionEvent
 from transfer.weights.group import SideGroup, init_side_group
 
-__all__ = ["GenRequest", "GenResult", "HFEngine"]
+__all__ = ["GenRequest", "GenResult", "GenState", "HFEngine", "PausePoint"]
+
+RETRACT, IN_PLACE = "retract", "in_place"
+"""SGLang's pause modes the engine serves (its default, ``abort``, is not served)."""
 
 UNCHECKED_BUFFERS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis",
                      "expert_mask_gpu")
@@ -37,8 +66,53 @@ class GenResult:
     logprobs: list[float]
     finish_reason: dict
     weight_version: str
+    """The version that sampled the last output token (SGLang's served version when the
+    request finished); the newest of its spans."""
     text: str = ""
     """The decoded output, trimmed at the matched stop as SGLang's detokenizer does."""
+    version_events: list[VersionEvent] = field(default_factory=list)
+    """The version changes the request saw while holding output tokens (``weight_versions``)."""
+    num_retractions: int = 0
+    """Times the request was retracted (SGLang's ``meta_info.num_retractions``)."""
+
+
+@dataclass
+class GenState:
+    """One request on its way through the engine: its output so far, kept across a
+    retraction (``HFEngine.run``); finished once ``finish_reason`` is set."""
+
+    req: GenRequest
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+    version: str | None = None
+    """The weight version that sampled the last output token."""
+    version_events: list[VersionEvent] = field(default_factory=list)
+    retractions: int = 0
+
+    def add(self, token: int, logprob: float, version: str) -> None:
+        """Append a token sampled by the weights of ``version``. SGLang records an event on
+        each request holding output when the version changes; recording it here, when the
+        first token of a new version arrives, gives the same spans: a request gets at
+        least one more token after any change (it was unfinished), and the changes with no
+        token between them are spans that ``weight_version_spans`` drops or merges."""
+        if self.output_ids and version != self.version:
+            self.version_events.append(VersionEvent(self.version, len(self.output_ids)))
+        self.version = version
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+
+
+class PausePoint(Protocol):
+    """What a running batch asks between two decode steps (the server's scheduler answers):
+    ``pause_mode()`` every step; while it answers ``in_place``, ``hold()`` with the engine's
+    lock released, then ``pause_mode()`` again."""
+
+    def pause_mode(self) -> str | None:
+        """``retract``, ``in_place``, or None when not paused."""
+
+    def hold(self) -> None:
+        """Block while paused in place (weights may change meanwhile)."""
 
 
 class HFEngine:
@@ -66,52 +140,75 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     # -- generation --------------------------------------------------------------------
-    @torch.no_grad()
     def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
-        with self.lock:
-            return self._generate(reqs)
+        """Decode ``reqs`` as one batch to the end (no pause point)."""
+        states = [GenState(r) for r in reqs]
+        self.run(states)
+        return [self.result(s) for s in states]
 
-    def _generate(self, reqs: list[GenRequest]) -> list[GenResult]:
-        dev, B = self.device, len(reqs)
-        limits = [r.max_new_tokens for r in reqs]
-        out_ids: list[list[int]] = [[] for _ in reqs]
-        out_lp: list[list[float]] = [[] for _ in reqs]
-        reasons: list[dict | None] = [{"type": "length", "length": 0} if n <= 0 else None
-                                      for n in limits]
-        if all(r is not None for r in reasons):  # max_new_tokens=0 everywhere: nothing to run
-            return [self._result(r, [], [], {"type": "length", "length": 0}) for r in reqs]
-        width = max(len(r.input_ids) for r in reqs)
+    @torch.no_grad()
+    def run(self, states: list[GenState], pause: PausePoint | None = None) -> None:
+        """Decode the unfinished ``states`` as one batch until each has finished, or until
+        ``pause`` retracts them: then the unfinished ones keep ``finish_reason`` None, and a
+        later ``run`` resumes them (see the module's docstring)."""
+        with self.lock:
+            self._run(states, pause)
+
+    def _run(self, states: list[GenState], pause: PausePoint | None) -> None:
+        for s in states:
+            if s.finish_reason is None and s.req.max_new_tokens <= 0:
+                s.finish_reason, s.version = {"type": "length", "length": 0}, self.weight_version
+        active = [s for s in states if s.finish_reason is None]
+        if not active:  # max_new_tokens=0 everywhere: nothing to run
+            return
+        dev, B = self.device, len(active)
+        # a retracted request prefills its output so far too: its KV comes from these weights
+        seqs = [s.req.input_ids + s.output_ids for s in active]
+        width = max(len(q) for q in seqs)
         ids = torch.full((B, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, width), dtype=torch.long)
-        for i, r in enumerate(reqs):  # left padding: the last column is every prompt's end
-            ids[i, width - len(r.input_ids):] = torch.tensor(r.input_ids)
-            attn[i, width - len(r.input_ids):] = 1
+        for i, q in enumerate(seqs):  # left padding: the last column is every prompt's end
+            ids[i, width - len(q):] = torch.tensor(q)
+            attn[i, width - len(q):] = 1
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        reqs = [s.req for s in active]
         stops = [set() if r.ignore_eos else set(r.stop_token_ids) | set(self.eos_ids) for r in reqs]
         tails = [self._tail_len(r.stop) for r in reqs]
 
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
         cache = _cache_of(out)
         sampler = BatchSampler(reqs, self.eos_ids, out.logits.shape[-1], dev, self.generator)
-        for _ in range(max(limits)):
+        while True:
             tok, logp = sampler.sample(out.logits[:, -1, :])
             sampler.record(tok)
             tok_l, logp_l = tok.tolist(), logp.tolist()
-            for i in range(B):
-                if reasons[i] is not None:
-                    continue
-                out_ids[i].append(tok_l[i])
-                out_lp[i].append(logp_l[i])
-                reasons[i] = self._finished(reqs[i], out_ids[i], stops[i], tails[i])
-            if all(r is not None for r in reasons):
-                break
+            for i, s in enumerate(active):  # the lock is held: these logits are this version's
+                if s.finish_reason is None:
+                    s.add(tok_l[i], logp_l[i], self.weight_version)
+                    s.finish_reason = self._finished(s.req, s.output_ids, stops[i], tails[i])
+            if all(s.finish_reason is not None for s in active):
+                return
+            if pause is not None and self._retracting(pause):
+                for s in active:
+                    s.retractions += s.finish_reason is None
+                return
             attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
             pos = pos[:, -1:] + 1
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                              use_cache=True, **{self._cache_arg: cache})
             cache = _cache_of(out)
-        return [self._result(reqs[i], out_ids[i], out_lp[i], reasons[i]) for i in range(B)]
+
+    def _retracting(self, pause: PausePoint) -> bool:
+        """At a step boundary: True to retract the batch; paused in place, wait here with
+        the lock released (a weight update takes it), keeping the batch and its KV cache."""
+        while (mode := pause.pause_mode()) == IN_PLACE:
+            self.lock.release()
+            try:
+                pause.hold()
+            finally:
+                self.lock.acquire()
+        return mode == RETRACT
 
     def _tail_len(self, stop: list[str]) -> int:
         """Tokens to decode to find any of ``stop`` (SGLang: the longest, in tokens, plus 1)."""
@@ -131,10 +228,12 @@ class HFEngine:
             return {"type": "length", "length": req.max_new_tokens}
         return None
 
-    def _result(self, req: GenRequest, ids: list[int], logprobs: list[float],
-                reason: dict) -> GenResult:
-        """The answer, with text as SGLang's detokenizer makes it: a matched stop token is
-        left out of the text, and the text ends before a matched stop string."""
+    def result(self, state: GenState) -> GenResult:
+        """The answer of a finished request, with text as SGLang's detokenizer makes it: a
+        matched stop token is left out of the text, and the text ends before a matched stop
+        string."""
+        req, ids, reason = state.req, state.output_ids, state.finish_reason
+        assert reason is not None and state.version is not None, "the request has not finished"
         matched = reason.get("matched")
         text_ids = ids[:-1] if isinstance(matched, int) else ids
         text = self.tokenizer.decode(
@@ -142,7 +241,8 @@ class HFEngine:
             spaces_between_special_tokens=req.spaces_between_special_tokens)
         if isinstance(matched, str) and (pos := text.find(matched)) != -1:
             text = text[:pos]
-        return GenResult(ids, logprobs, reason, self.weight_version, text)
+        return GenResult(ids, state.logprobs, reason, state.version, text,
+                         list(state.version_events), state.retractions)
 
     # -- weight updates (SGLang's init_weights_update_group, begin_weight_update,
     #    update_weights_from_distributed, end_weight_update, destroy_weights_update_group)

@@ -31,8 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import queue
-import threading
 import time
 import traceback
 
@@ -43,16 +41,11 @@ from rl.log import setup_worker_logging
 from rl.model import eos_token_ids, load_model, load_tokenizer
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.protocol import answer, parse_generate
+from rl.rollout.engines.scheduler import PAUSE_MODES, BatchScheduler
 from rl.rollout.engines.sampling import (REQUIRED, RequestError, as_bool, as_int, as_str, list_of,
                                          read_fields)
 
 logger = logging.getLogger(__name__)
-
-# Both modes let the running batch finish and hold queued requests; they differ in what
-# /flush_cache counts as busy (SGLang: `is_fully_idle(ignore_waiting=paused)`, where
-# `retract` has moved every running request back to the waiting queue). SGLang's default,
-# `abort`, would fail the requests in flight: not served.
-PAUSE_MODES = ("retract", "in_place")
 
 WEIGHTS_UNSERVED = "Get parameter by name failed"
 """SGLang's message for a ``/get_weights_by_name`` it cannot serve; ``rl.driver.weight_checks``
@@ -60,110 +53,6 @@ tells an unserved route by it."""
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT`` default: ``/health_generate`` answers 503 after it."""
-
-
-class BatchScheduler:
-    """Collects concurrent requests and runs them as one batch on a worker thread."""
-
-    def __init__(self, engine: HFEngine, max_batch_size: int, batch_wait_s: float) -> None:
-        self.engine = engine
-        self.max_batch_size = max_batch_size
-        self.batch_wait_s = batch_wait_s
-        self.queue: queue.Queue = queue.Queue()
-        self._state = threading.Condition()
-        self.paused_mode: str | None = None  # the pause mode while paused
-        self._waiting = 0  # requests submitted and not yet on the model
-        self._running = 0  # requests in the batch on the model now
-        self.batches_done = 0  # batches that ran to the end (a sign of life for /health_generate)
-        self.requests_seen = 0  # requests submitted (for tests: which engine got work)
-        self.thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
-        self.thread.start()
-
-    async def submit(self, reqs: list[GenRequest]):
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in reqs]
-        with self._state:
-            self._waiting += len(reqs)
-            self.requests_seen += len(reqs)
-        for r, f in zip(reqs, futures):
-            self.queue.put((r, f, loop))
-        return await asyncio.gather(*futures)
-
-    def pause(self, mode: str) -> None:
-        """Hold new batches and return once the running one (if any) has finished: no
-        forward pass runs until ``resume``, so weights can be swapped safely. A batch runs
-        to completion here, so each answer comes from one weight version; SGLang instead
-        retracts running requests (or freezes them in place) and finishes them later."""
-        with self._state:
-            self.paused_mode = mode
-            while self._running:
-                self._state.wait()
-
-    def resume(self) -> None:
-        with self._state:
-            self.paused_mode = None
-            self._state.notify_all()
-
-    def running(self) -> int:
-        """Requests on the model now."""
-        with self._state:
-            return self._running
-
-    def waiting(self) -> int:
-        """Requests submitted and not yet on the model."""
-        with self._state:
-            return self._waiting
-
-    def idle(self) -> bool:
-        """SGLang's ``is_fully_idle(ignore_waiting=paused)`` as it decides a flush: nothing
-        running, and nothing queued unless paused in ``retract`` mode (whose queue is what
-        it retracted). Paused ``in_place``, SGLang keeps every request in its running
-        batch, so any request here counts as running."""
-        with self._state:
-            if self._running:
-                return False
-            return self.paused_mode == "retract" or self._waiting == 0
-
-    def _loop(self) -> None:
-        while True:
-            items = [self.queue.get()]
-            # The batch closes after a quiet gap of batch_wait_s, not batch_wait_s after its
-            # first request: a burst (a rollout step sends every prompt at once) arrives
-            # over longer than one gap when the HTTP loop is slow, and a batch cut in two
-            # runs two decode loops one after the other.
-            while len(items) < self.max_batch_size:
-                try:
-                    items.append(self.queue.get(timeout=self.batch_wait_s))
-                except queue.Empty:
-                    break
-            with self._state:
-                while self.paused_mode is not None:  # hold queued requests until continue
-                    self._state.wait()
-                self._waiting -= len(items)
-                self._running = len(items)
-            try:
-                results = self.engine.generate([r for r, _, _ in items])
-            except Exception as e:  # the batch fails, the server lives on
-                for _, fut, loop in items:
-                    loop.call_soon_threadsafe(_set_exception, fut, e)
-                continue
-            finally:
-                with self._state:
-                    self._running = 0
-                    self.batches_done += 1
-                    self._state.notify_all()
-            for (_, fut, loop), res in zip(items, results):
-                loop.call_soon_threadsafe(_set_result, fut, res)
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
 
 
 def _outcome(success: bool, message: str) -> web.Response:

@@ -8,7 +8,8 @@ As ``GenerateReqInput`` does, ``n`` samples of each prompt come back prompt-majo
 (``tokenizer_manager._handle_batch_request``), so one prompt with ``n > 1`` answers a list;
 a prompt longer than the context, or one plus an explicit ``max_new_tokens``, is refused,
 and ``max_new_tokens`` is capped at the room left. Answers are ``GenerateResponse`` /
-``GenerateMetaInfo``, with the weight version and its span over the output tokens.
+``GenerateMetaInfo``, with the weight versions of the output tokens as SGLang's spans
+(``weight_versions``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from rl.rollout.engines.hf_engine import GenResult
 from rl.rollout.engines.sampling import (GenRequest, RequestError, as_bool, as_int, list_of,
                                          parse_sampling_params, read_fields, str_or_list)
+from rl.rollout.engines.weight_versions import add_weight_versions_to_meta_info, weight_version_spans
 
 
 def _prompts(where: str, v: Any) -> tuple[list, bool]:
@@ -92,20 +94,21 @@ def _fit_context(kwargs: dict, input_len: int, context_len: int | None, explicit
 
 
 def answer(g: Generate, i: int, res: GenResult, e2e_latency_s: float, tokenizer) -> dict:
-    """One ``GenerateResponse`` (the keys SGLang's tokenizer manager writes)."""
+    """One ``GenerateResponse`` (the keys SGLang's tokenizer manager writes,
+    ``_handle_batch_output``)."""
+    n = len(res.output_ids)
     meta: dict[str, Any] = {"id": uuid.uuid4().hex, "finish_reason": res.finish_reason,
                             "prompt_tokens": len(g.reqs[i].input_ids),
-                            "weight_version": res.weight_version}
+                            "weight_version": res.weight_version,
+                            "num_retractions": res.num_retractions}
     if g.return_logprob:
         texts = ([tokenizer.decode([t]) for t in res.output_ids] if g.return_text_in_logprobs
                  else [None] * len(res.output_ids))
         meta["input_token_logprobs"] = []  # logprob_start_len=-1: output tokens only
         meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in
                                          zip(res.logprobs, res.output_ids, texts)]
-    meta.update({"completion_tokens": len(res.output_ids), "cached_tokens": 0,
-                 # SGLang's spans (utils/weight_versions.py): one here, as a batch runs to its
-                 # end under one version (a pause waits for it)
-                 "weight_versions": [{"version": res.weight_version, "start": 0,
-                                      "end": len(res.output_ids)}],
-                 "e2e_latency": e2e_latency_s})
+    meta.update({"completion_tokens": n, "cached_tokens": 0})
+    spans = weight_version_spans(res.version_events, res.weight_version, n)
+    add_weight_versions_to_meta_info(meta, spans, n)
+    meta["e2e_latency"] = e2e_latency_s
     return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}

@@ -1,0 +1,207 @@
+"""Rollout functions (``rollout.function``): loading and its errors, the checks on what a
+function returns, the single-turn default's samples, and the calculator's multi-turn sample
+token by token (tool tokens out of the loss), against a scripted engine pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from rl.model import load_tokenizer
+from rl.rollout.batch import build_batch
+from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load
+from rl.tasks import Prompt
+from rl.tasks.builtin import CalculatorTask, calculator
+from tests.support.env import compose
+
+
+class ScriptedPool:
+    """Stands in for ``EnginePool``: answers each request with the next scripted answer
+    (text, output ids, finish reason) and records the payloads."""
+
+    def __init__(self, answers: list[tuple[str, list[int], dict]], version: str = "3") -> None:
+        self.answers = list(answers)
+        self.payloads: list[dict] = []
+        self.version = version
+
+    async def generate(self, session, payload: dict, timeout_s: float) -> list[dict]:
+        self.payloads.append(payload)
+        out = []
+        for _ in range(payload["sampling_params"].get("n", 1)):
+            text, ids, reason = self.answers.pop(0)
+            logprobs = [[-0.1 * (k + 1), t, None] for k, t in enumerate(ids)]
+            out.append({"text": text, "output_ids": ids,
+                        "meta_info": {"finish_reason": reason, "output_token_logprobs": logprobs,
+                                      "weight_version": self.version}})
+        return out
+
+
+def _ctx(pool, tokenizer=None, n: int = 1, max_new_tokens: int = 16) -> RolloutContext:
+    return RolloutContext(pool=pool, session=None, timeout_s=1.0, tokenizer=tokenizer,
+                          sampling_params={"max_new_tokens": max_new_tokens, "temperature": 1.0},
+                          n_samples_per_prompt=n)
+
+
+def test_calculator_sample_masks_the_tool_result_token_by_token(tiny_path):
+    """``sum 12 34:``: the model calls ``12+34=`` (6 tokens, trained), the environment
+    appends ``46 `` (3 tokens: loss mask 0, log-prob 0), the model answers ``46<eos>`` (3
+    tokens, trained); the reward scores the answer, and the batch carries the mask as is."""
+    tok = load_tokenizer(tiny_path)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    pool = ScriptedPool([("12+34", enc("12+34="), {"type": "stop", "matched": "="}),
+                         ("46", enc("46") + [eos], {"type": "stop", "matched": eos})])
+    prompt = CalculatorTask(seed=0).next_prompts(1)[0]
+    prompt = Prompt(text="sum 12 34:", label="46", index=prompt.index)
+    prompt_ids = enc(prompt.text)
+    fn = RolloutFunction("rl.rollout.functions:calculator_tool", n=1, max_prompt_tokens=64,
+                         max_new_tokens=16)
+    [s] = asyncio.run(fn.group(_ctx(pool, tok), prompt, prompt_ids))
+
+    call, result, answer = enc("12+34="), enc("46 "), enc("46") + [eos]
+    assert (len(call), len(result), len(answer)) == (6, 3, 3)
+    assert s.prompt_ids == prompt_ids
+    assert s.response_ids == call + result + answer
+    assert s.loss_mask == [1] * 6 + [0] * 3 + [1] * 3
+    for j, (m, lp) in enumerate(zip(s.loss_mask, s.logprobs)):
+        assert (lp == 0.0) == (m == 0), (j, m, lp)  # the engine's log-probs on model tokens only
+    assert s.logprobs[:6] == pytest.approx([-0.1 * (k + 1) for k in range(6)])
+    assert s.logprobs[9:] == pytest.approx([-0.1, -0.2, -0.3])
+    assert s.finished and s.text == "46" and len(s.meta_info) == 2
+    # the second turn continues the whole context, with the budget that is left and no stop
+    first, second = pool.payloads
+    assert first["sampling_params"]["stop"] == ["="] and first["input_ids"] == prompt_ids
+    assert second["input_ids"] == prompt_ids + call + result
+    assert second["sampling_params"]["max_new_tokens"] == 16 - 9
+    assert second["sampling_params"]["stop"] == ["="]  # a second call is still allowed
+
+    task = CalculatorTask()
+    batch = build_batch([prompt], [[s]], task.reward, group_size=1, std_norm=True, first_sample_id=0)
+    assert batch.loss_mask[0].tolist() == s.loss_mask
+    assert batch.rollout_logprobs[0].tolist() == pytest.approx(s.logprobs)
+    assert batch.tokens[0].tolist() == prompt_ids + s.response_ids
+    assert batch.rewards.tolist() == [1.0] and batch.num_loss_tokens == 9
+    assert batch.weight_version.tolist() == [3]
+
+
+def test_calculator_without_a_call_and_out_of_room(tiny_path):
+    tok = load_tokenizer(tiny_path)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    eos = tok.eos_token_id
+    prompt = Prompt(text="sum 1 2:", label="3", index=0)
+    # no call: one turn, every token trained
+    pool = ScriptedPool([("3", enc("3") + [eos], {"type": "stop", "matched": eos})])
+    [s] = asyncio.run(RolloutFunction("rl.rollout.functions:calculator_tool", n=1, max_prompt_tokens=64,
+                                      max_new_tokens=16).group(_ctx(pool, tok), prompt, enc(prompt.text)))
+    assert s.loss_mask == [1, 1] and s.finished and s.text == "3"
+    # the tool's result fills the budget: unfinished, nothing to score
+    pool = ScriptedPool([("1+2", enc("1+2="), {"type": "stop", "matched": "="})])
+    [s] = asyncio.run(RolloutFunction("rl.rollout.functions:calculator_tool", n=1, max_prompt_tokens=64,
+                                      max_new_tokens=5).group(_ctx(pool, tok, max_new_tokens=5),
+                                                              prompt, enc(prompt.text)))
+    assert s.response_ids == enc("1+2=3") and s.loss_mask == [1, 1, 1, 1, 0]
+    assert not s.finished and s.text == ""
+
+
+def test_calculator_tool_and_task():
+    assert calculator("12+34") == "46" and calculator(" 7 * 6 ") == "42" and calculator("3-5") == "-2"
+    assert calculator("12+") == "error" and calculator("import os") == "error"
+    t = CalculatorTask(seed=1)
+    [p] = t.next_prompts(1)
+    a, b = (int(x) for x in p.text.removeprefix("sum ").removesuffix(":").split())
+    assert p.label == str(a + b)
+    assert t.reward(f" {a + b}", p.label, True) == 1.0
+    assert t.reward(str(a + b), p.label, False) == 0.0
+    assert t.reward(str(a + b + 1), p.label, True) == 0.0
+
+
+def test_single_turn_makes_one_request_of_n_and_trains_every_token():
+    pool = ScriptedPool([("ab", [5, 6], {"type": "stop", "matched": 1}),
+                         ("c", [7], {"type": "length"})])
+    prompt = Prompt(text="q", label="ab", index=4)
+    samples = asyncio.run(RolloutFunction("rl.rollout.functions:single_turn", n=2, max_prompt_tokens=8,
+                                          max_new_tokens=8).group(_ctx(pool, n=2), prompt, [1, 2]))
+    [payload] = pool.payloads
+    assert payload == {"input_ids": [1, 2], "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "n": 2}}
+    assert [s.response_ids for s in samples] == [[5, 6], [7]]
+    assert [s.loss_mask for s in samples] == [[1, 1], [1]]
+    assert [s.finished for s in samples] == [True, False]
+    batch = build_batch([prompt], [samples], lambda r, label, f: float(r == label), group_size=2,
+                        std_norm=False, first_sample_id=10)
+    assert batch.finish_reason == ["stop", "length"] and batch.rewards.tolist() == [1.0, 0.0]
+    assert np.array_equal(batch.sample_id, [10, 11]) and batch.group_id.tolist() == [4, 4]
+
+
+async def raises(ctx, prompt, prompt_ids):
+    raise ValueError("the tool is broken")
+
+
+def sync_function(ctx, prompt, prompt_ids):
+    return []
+
+
+async def returns_one(ctx, prompt, prompt_ids):
+    return [Sample([1], [2, 3], [1, 0], [-0.5, 0.0], True, [{}], "x")]
+
+
+async def logprob_on_masked(ctx, prompt, prompt_ids):
+    return [Sample([1], [2, 3], [1, 0], [-0.5, -0.1], True, [{}], "x")]
+
+
+async def too_long(ctx, prompt, prompt_ids):
+    return [Sample([1], [2] * 9, [1] * 9, [-0.5] * 9, True, [{}], "x")]
+
+
+def test_load_names_the_function_when_it_cannot_be_used():
+    with pytest.raises(ValueError, match=r"rollout.function='nope.module:f' cannot be imported"):
+        load("nope.module:f")
+    with pytest.raises(ValueError, match=r"rollout.function='rl.rollout.functions:nope' cannot be imported"):
+        load("rl.rollout.functions:nope")
+    with pytest.raises(ValueError, match=r"test_rollout_functions:sync_function' must be an 'async def"):
+        load("tests.unit.test_rollout_functions:sync_function")
+    with pytest.raises(ValueError, match="is a int, not a function"):
+        load("rl.rollout.functions:CALCULATOR_MAX_CALLS")
+    assert load("rl.rollout.functions:single_turn").__name__ == "single_turn"
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("raises", r"raised ValueError: the tool is broken"),
+    ("returns_one", r"returned 1 items; expected a list of rollout.n_samples_per_prompt=2 Samples"),
+])
+def test_errors_name_the_function_and_the_prompt(name, fragment):
+    fn = RolloutFunction(f"tests.unit.test_rollout_functions:{name}", n=2, max_prompt_tokens=8,
+                         max_new_tokens=8)
+    prompt = Prompt(text="sum 1 2:", label="3", index=17)
+    with pytest.raises(RuntimeError) as e:
+        asyncio.run(fn.group(_ctx(None, n=2), prompt, [1]))
+    assert (f"rollout.function=tests.unit.test_rollout_functions:{name} on prompt 17 ('sum 1 2:') "
+            in str(e.value)), str(e.value)
+    assert e.match(fragment)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("logprob_on_masked", "a log-prob other than 0.0 on a masked token"),
+    ("too_long", "rollout.max_new_tokens=8 bounds the whole response"),
+])
+def test_samples_are_checked(name, fragment):
+    fn = RolloutFunction(f"tests.unit.test_rollout_functions:{name}", n=1, max_prompt_tokens=8,
+                         max_new_tokens=8)
+    with pytest.raises(RuntimeError, match=fragment):
+        asyncio.run(fn.group(_ctx(None), Prompt(text="q", label="x", index=0), [1]))
+
+
+def test_rollout_function_config():
+    assert compose().rollout.function == "rl.rollout.functions:single_turn"
+    with pytest.raises(ValueError, match="rollout.function='rl.rollout.functions.single_turn': name it "
+                                         "as module:callable"):
+        compose("rollout.function=rl.rollout.functions.single_turn")
+    with pytest.raises(ValueError, match="task=calculator answers through a tool: set rollout.function="):
+        compose("task=calculator", "rollout.max_new_tokens=16")
+    with pytest.raises(ValueError, match="rollout.max_new_tokens=8 bounds the call"):
+        compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool")
+    cfg = compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
+                  "rollout.max_new_tokens=16")
+    assert (cfg.task.name, cfg.task.max_value) == ("calculator", 99)
