@@ -91,6 +91,13 @@ class Config:
                 f"algo.steps_per_rollout={self.algo.steps_per_rollout} exceeds the {batch // learners} "
                 f"samples each of the cluster.num_learners={learners} ranks gets per rollout; every "
                 f"mini-batch needs at least one sample per rank")
+        budget, longest = self.algo.max_tokens_per_micro_batch, self.rollout.max_prompt_tokens + \
+            self.rollout.max_new_tokens
+        if budget and budget < longest:
+            raise ValueError(
+                f"algo.max_tokens_per_micro_batch={budget} cannot hold the longest possible sample, "
+                f"rollout.max_prompt_tokens + rollout.max_new_tokens = {longest} tokens; raise it to "
+                f"{longest} or more, or lower rollout.max_prompt_tokens (or rollout.max_new_tokens)")
         self.rollout.check_cluster(self.cluster)  # each engine kind knows what it needs
         self.rollout.check_model(self.model)
         self.task.check_rollout(self.rollout)  # and each task what its answers need

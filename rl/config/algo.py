@@ -45,7 +45,13 @@ class AlgoConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
     micro_batch_size: int = 64
-    """Samples per forward/backward pass on one learner rank."""
+    """Samples per forward/backward pass on one learner rank (unless
+    ``max_tokens_per_micro_batch`` is on, which replaces it)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward/backward pass on one learner rank: samples are sorted by
+    length and packed into micro-batches whose padded size (samples x longest sample, in
+    tokens) stays within it, instead of ``micro_batch_size`` samples each; 0 = off. At least
+    ``rollout.max_prompt_tokens + rollout.max_new_tokens`` (the longest possible sample)."""
     advantage_std_norm: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO)."""
     tis_cap: float = 0.0
@@ -105,6 +111,9 @@ class AlgoConfig:
                              f"sample's weights may lag the trained ones)")
         if self.kl_coef < 0:
             raise ValueError(f"algo.kl_coef={self.kl_coef} must be >= 0")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"algo.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} "
+                             f"must be >= 0 (0 = off: algo.micro_batch_size samples per pass)")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"algo.lr_schedule={self.lr_schedule!r}: use constant or cosine")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -23,6 +23,7 @@ from rl.algo import (agg_count, agg_sum, effective_sample_size, entropy_bt, is_k
 from rl.backends import data_path, weight_path
 from rl.config import Config
 from rl.learner import checkpoint, export_hf
+from rl.learner.micro_batches import by_token_budget, fixed_size, split_to
 from rl.model import load_model, load_tokenizer
 from rl.runtime import Runtime, node_ip
 from rl.types import RolloutBatch, RolloutRef, fresh
@@ -31,7 +32,8 @@ from transfer.net import free_port
 from transfer.weights.base import full_tensor
 
 SUM_KEYS = ("loss", "clipped", "approx_kl", "ref_kl", "entropy", "logp_diff", "tis_mean", "tokens",
-            "is_w", "is_w2", "is_n", "is_truncated", "is_masked", "engine_kl")
+            "is_w", "is_w2", "is_n", "is_truncated", "is_masked", "engine_kl", "slots", "pad_slots",
+            "micro_batches")
 """What ``accumulate_grads`` sums over micro-batches (and ``train_batch`` over steps and ranks);
 ``is_max`` beside them is a max."""
 
@@ -217,24 +219,45 @@ class Learner:
             "train/grad_norm": grad_norm / max(steps, 1),
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/tokens_per_s": tok / max(time.perf_counter() - t0, 1e-9),
+            # the forward/backward passes of the step's optimizer steps: padded token slots that
+            # hold no token, over all slots of all ranks; passes per rank (equal on every rank)
+            "train/pad_frac": g["pad_slots"] / max(g["slots"], 1.0),
+            "train/micro_batches": g["micro_batches"] / self.world_size,
             "perf/old_logp_time": old_s,
         }
+
+    def micro_batches(self, batch: RolloutBatch) -> list[np.ndarray]:
+        """The micro-batches of ``batch`` on this rank (sample indices, one forward pass each):
+        ``algo.micro_batch_size`` samples in order, or, with ``algo.max_tokens_per_micro_batch``,
+        samples sorted by length and packed within the token budget. Every rank must run as many
+        passes (FSDP2 all-gathers each layer's parameters in every forward and reduces its
+        gradients in every backward), so in budget mode the ranks agree on the largest number
+        (a collective) and those with fewer split their largest micro-batches until they have
+        as many: smaller passes rather than empty ones, no forward wasted on a dummy sample. Every
+        rank's mini-batch holds the same number of samples, so the split always reaches it."""
+        a = self.cfg.algo
+        if not a.max_tokens_per_micro_batch:
+            return fixed_size(len(batch), a.micro_batch_size)
+        lengths = batch.tokens.lengths
+        groups = by_token_budget(lengths, a.max_tokens_per_micro_batch)
+        [most] = self._all_reduce([float(len(groups))], "max")
+        return split_to(groups, lengths, int(most))
 
     def behaviour_logprobs(self, batch: RolloutBatch) -> Ragged:
         """Per sample, the log-probs of its response tokens under the current weights (one
         no-grad forward over the partition's micro-batches), laid out as
         ``batch.rollout_logprobs``."""
-        T, mbs, n = self.cfg.rollout.temperature, self.cfg.algo.micro_batch_size, len(batch)
-        out: list[np.ndarray] = []
+        T, offsets = self.cfg.rollout.temperature, batch.rollout_logprobs.offsets
+        values = np.zeros(offsets[-1], dtype=np.float32)
+        slot = Ragged(np.arange(offsets[-1]), offsets)  # where each sample's values go in ``values``
         with torch.no_grad():
-            for start in range(0, n, mbs):
-                sub = batch.select(np.arange(start, min(start + mbs, n)))
+            for sel in self.micro_batches(batch):
+                sub = batch.select(sel)
                 mb = self._pack(sub)
                 logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
                 logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T).cpu().numpy()
-                out.append(logp_bt[response_positions(sub)])
-        return Ragged(np.concatenate(out) if out else np.zeros(0, np.float32),
-                      batch.rollout_logprobs.offsets)
+                values[slot.take(sel).values] = logp_bt[response_positions(sub)]
+        return Ragged(values, offsets)
 
     def accumulate_grads(self, batch: RolloutBatch, old_logp: Ragged | None = None,
                          count: float | None = None) -> dict[str, float]:
@@ -247,12 +270,11 @@ class Learner:
         if count is None:
             [total] = self._all_reduce([agg_count_of(batch, a.loss_agg)])
             count = max(total, 1.0)
-        n, mbs, max_len = len(batch), a.micro_batch_size, self.cfg.rollout.max_new_tokens
+        max_len, lengths = self.cfg.rollout.max_new_tokens, batch.tokens.lengths
         scale = self.world_size / count  # FSDP averages gradients over ranks
         clip_high = a.clip_eps_high if a.clip_eps_high is not None else a.clip_eps
         sums = dict.fromkeys(SUM_KEYS + ("is_max",), 0.0)
-        for start in range(0, n, mbs):
-            sel = np.arange(start, min(start + mbs, n))
+        for sel in self.micro_batches(batch):
             mb = self._pack(batch.select(sel), None if old_logp is None else old_logp.take(sel))
             logits = self.model(input_ids=mb["ids"], attention_mask=mb["attn"]).logits
             logp_bt = token_logprobs(logits[:, :-1], mb["ids"][:, 1:], T)
@@ -297,6 +319,10 @@ class Learner:
             # learner vs engine on the same weights: the behaviour log-probs, not the moved ones
             sums["logp_diff"] += float(((old_bt - mb["rollout_logp"]).abs() * mask_bt).sum())
             sums["tokens"] += float(mask_bt.sum())
+            slots = len(sel) * int(lengths[sel].max())  # what _pack allocated
+            sums["slots"] += slots
+            sums["pad_slots"] += slots - int(lengths[sel].sum())
+            sums["micro_batches"] += 1
         return sums
 
     def _pack(self, batch: RolloutBatch, old_logp: Ragged | None = None) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
 """Learner on spawned gloo ranks: 2-rank FSDP2 gradients equal the 1-rank reference, pad ids
 never reach the gradient, the truncated importance ratio and staleness mask, the masked
 importance ratio and the off-policy metrics over two ranks, several steps per rollout clip
-against the behaviour policy, dropped flat groups equal training without them, and the KL
-penalty and entropy bonus match plain autograd."""
+against the behaviour policy, dropped flat groups equal training without them, the KL
+penalty and entropy bonus match plain autograd, and micro-batches by token budget give the
+gradients of fixed-size ones, on ranks of very different lengths."""
 
 from __future__ import annotations
 
@@ -625,3 +626,155 @@ def test_kl_penalty_and_entropy_bonus_gradients_match_plain_autograd(case, ranks
             assert sums["ref_kl"] > 0
     else:
         assert out["sums"]["ref_kl"] == 0.0
+
+
+# -- micro-batches by token budget (algo.max_tokens_per_micro_batch) ---------------------------
+BUDGET = 48
+BUDGET_CFG = ("cluster.num_learners=2", "algo.micro_batch_size=3", "rollout.max_prompt_tokens=4",
+              "rollout.max_new_tokens=40", f"algo.max_tokens_per_micro_batch={BUDGET}")
+
+
+def _uneven_part(rank: int):
+    """Partitions of very different lengths: rank 0 gets 8 samples of 3-10 tokens (two
+    micro-batches within the budget), rank 1 8 samples of 22-44 tokens (one or two a pass)."""
+    return make_batch(8, seed=20) if rank == 0 else make_batch(8, seed=21, response=(20, 40))
+
+
+def _budget_worker(rank, world, port, tiny_path, out_dir):
+    """On the uneven partitions, each computation twice, with fixed-size micro-batches and with
+    token-budget ones at the same weights: the gradient under every ``algo.loss_agg``; then
+    ``train_batch`` with two steps per rollout whose behaviour log-probs and both steps'
+    gradients are computed both ways (the budget's go on to the optimizer); then one step
+    each way for the padding metrics."""
+    import pickle
+
+    from rl.algo import LOSS_AGGS
+    from rl.learner.learner import Learner
+    from transfer.weights.base import full_tensor
+
+    cfg = compose(*BUDGET_CFG, "algo.steps_per_rollout=2", "algo.lr=0.01")
+    learner = Learner(cfg, Runtime("t", out_dir, tiny_path), rank, world)
+    learner.setup("127.0.0.1", port)
+    a = learner.cfg.algo
+    inner_old, inner_acc = learner.behaviour_logprobs, learner.accumulate_grads
+
+    def both(fn) -> tuple:
+        """``fn()`` with fixed-size micro-batches, then with the token budget (left on)."""
+        out = []
+        for budget in (0, BUDGET):
+            a.max_tokens_per_micro_batch = budget
+            out.append(fn())
+        return tuple(out)
+
+    def accumulate(mini, old=None, count=None):
+        learner.optimizer.zero_grad(set_to_none=True)
+        sums = inner_acc(mini, old, count)
+        return sums, {n: full_tensor(p.grad).clone() for n, p in learner.model.named_parameters()}
+
+    part = _uneven_part(rank)
+    out = {}
+    for mode in LOSS_AGGS:
+        a.loss_agg = mode
+        out[mode] = both(lambda: accumulate(part))
+    a.loss_agg = "token_mean"
+
+    out["old"], out["steps"] = [], []
+
+    def old_spy(batch):
+        pair = both(lambda: inner_old(batch))
+        out["old"].append(pair)
+        return pair[1]
+
+    def acc_spy(mini, old_mini=None, count=None):
+        pair = both(lambda: accumulate(mini, old_mini, count))
+        out["steps"].append(tuple((dict(sums), g) for sums, g in pair))  # train_batch edits its sums
+        return pair[1][0]  # the budget's sums; its gradient is what .grad holds now
+
+    learner.behaviour_logprobs, learner.accumulate_grads = old_spy, acc_spy
+    out["two_steps"] = learner.train_batch(part)
+    learner.behaviour_logprobs, learner.accumulate_grads = inner_old, inner_acc
+    a.steps_per_rollout = 1
+    out["metrics"] = both(lambda: learner.train_batch(part))
+    with open(os.path.join(out_dir, f"budget_{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    learner.close()
+
+
+@pytest.fixture(scope="module")
+def budget_out(ranks, tiny_path, tmp_path_factory) -> list[dict]:
+    """What ``_budget_worker`` recorded on each of the two ranks."""
+    import pickle
+
+    out_dir = str(tmp_path_factory.mktemp("budget"))
+    ranks.run(_budget_worker, (2, free_port(), tiny_path, out_dir), nprocs=2)
+    out = []
+    for rank in (0, 1):
+        with open(os.path.join(out_dir, f"budget_{rank}.pkl"), "rb") as f:
+            out.append(pickle.load(f))
+    return out
+
+
+def _assert_same_grads(fixed: dict, budget: dict, what: str) -> None:
+    assert fixed.keys() == budget.keys()
+    assert any(float(g.abs().max()) > 0 for g in fixed.values()), what
+    for name in fixed:
+        torch.testing.assert_close(budget[name], fixed[name], rtol=1e-4, atol=1e-6, msg=f"{what} {name}")
+
+
+def test_token_budget_micro_batches_give_the_gradient_of_fixed_size_ones(budget_out):
+    """Sorted and packed within the budget instead of 3 samples in order: the same gradient
+    under every loss aggregation (the aggregation divides by a count of the whole mini-batch,
+    so only the grouping changes), the same loss and tokens, fewer padded slots."""
+    from rl.algo import LOSS_AGGS
+
+    for mode in LOSS_AGGS:
+        (fixed_sums, fixed), (budget_sums, budget) = budget_out[0][mode]
+        _assert_same_grads(fixed, budget, mode)
+        assert budget_sums["loss"] == pytest.approx(fixed_sums["loss"], rel=1e-5, abs=1e-7), mode
+        assert budget_sums["tokens"] == fixed_sums["tokens"]
+        assert fixed_sums["micro_batches"] == 3  # 8 samples by 3
+        assert budget_sums["pad_slots"] < fixed_sums["pad_slots"]
+
+
+def test_token_budget_with_several_steps_per_rollout(budget_out):
+    """``algo.steps_per_rollout=2``: the behaviour log-probs (one pass over the partition,
+    grouped by length and put back in sample order) and each step's gradient, the second one
+    against those log-probs after the first step moved the weights, equal the fixed-size ones."""
+    for rank in (0, 1):
+        out = budget_out[rank]
+        [(fixed_old, budget_old)] = out["old"]
+        np.testing.assert_array_equal(budget_old.offsets, fixed_old.offsets)
+        np.testing.assert_allclose(budget_old.values, fixed_old.values, rtol=0, atol=2e-6)
+        assert len(out["steps"]) == 2 and out["two_steps"]["train/optimizer_steps"] == 2
+        for i, ((fixed_sums, fixed), (budget_sums, budget)) in enumerate(out["steps"]):
+            _assert_same_grads(fixed, budget, f"rank {rank} step {i}")
+            for k in ("loss", "clipped", "approx_kl"):
+                assert budget_sums[k] == pytest.approx(fixed_sums[k], rel=1e-4, abs=1e-7), (rank, i, k)
+        assert out["steps"][1][1][0]["approx_kl"] > 0  # the second step's ratio is not 1
+
+
+def test_uneven_partitions_run_as_many_passes_on_every_rank(budget_out):
+    """Rank 0's short samples fit in fewer micro-batches than rank 1's long ones; rank 0
+    splits its own until both run as many passes (no hang in FSDP's collectives), and the
+    metrics count the passes and the padding of both ranks."""
+    from rl.learner.micro_batches import by_token_budget, fixed_size, padded_slots, split_to
+
+    lengths = [_uneven_part(r).tokens.lengths for r in (0, 1)]
+    formed = [len(by_token_budget(n, BUDGET)) for n in lengths]
+    assert formed[0] < formed[1] - 3, formed  # very different
+    for mode in ("token_mean", "seq_mean_token_mean"):
+        ran = [budget_out[r][mode][1][0]["micro_batches"] for r in (0, 1)]
+        assert ran == [formed[1], formed[1]], (mode, ran)
+    # train_batch's metrics, one step: fixed-size micro-batches, then by the token budget
+    fixed, budget = budget_out[0]["metrics"]
+    for mine, theirs in zip((fixed, budget), budget_out[1]["metrics"]):  # reduced over both ranks
+        for k in ("train/pad_frac", "train/micro_batches", "train/loss"):
+            assert theirs[k] == pytest.approx(mine[k]), k
+    real = sum(int(n.sum()) for n in lengths)
+    fixed_slots = sum(padded_slots(fixed_size(8, 3), n) for n in lengths)
+    budget_slots = sum(padded_slots(split_to(by_token_budget(n, BUDGET), n, formed[1]), n) for n in lengths)
+    assert fixed["train/micro_batches"] == 3 and budget["train/micro_batches"] == formed[1]
+    assert fixed["train/pad_frac"] == pytest.approx(1 - real / fixed_slots)
+    assert budget["train/pad_frac"] == pytest.approx(1 - real / budget_slots)
+    assert budget["train/pad_frac"] < fixed["train/pad_frac"]
+    assert budget["train/loss"] == pytest.approx(fixed["train/loss"], rel=1e-4)

@@ -11,10 +11,11 @@ from rl.types import RolloutBatch
 from transfer.data.base import Ragged
 
 
-def make_batch(n: int, seed: int = 0, vocab: int = 49) -> RolloutBatch:
+def make_batch(n: int, seed: int = 0, vocab: int = 49, response: tuple[int, int] = (1, 6)) -> RolloutBatch:
+    """``n`` samples: prompts of 2-4 tokens, responses of ``response`` (inclusive) tokens."""
     rng = np.random.default_rng(seed)
     plen = rng.integers(2, 5, n).astype(np.int32)
-    rlen = rng.integers(1, 7, n).astype(np.int32)
+    rlen = rng.integers(response[0], response[1] + 1, n).astype(np.int32)
     tokens = [rng.integers(3, vocab, p + r).astype(np.int32) for p, r in zip(plen, rlen)]
     masks = [np.ones(r, dtype=np.int8) for r in rlen]
     masks[0][-1] = 0  # a masked response token must not count

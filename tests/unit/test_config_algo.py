@@ -30,6 +30,14 @@ SMALL = ("rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "cluste
      "algo.is_mask_low=0.5 and algo.is_mask_high=0.9: need 0 <= is_mask_low <= 1 <= is_mask_high"),
     (("algo.is_mask_low=-0.1",), "need 0 <= is_mask_low <= 1 <= is_mask_high"),
     (("algo.tis_cap=-1",), "algo.tis_cap=-1.0 must be >= 0"),
+    (("algo.max_tokens_per_micro_batch=-1",), "algo.max_tokens_per_micro_batch=-1 must be >= 0"),
+    # the default rollout: prompts up to 1024 tokens, responses up to 8
+    (("algo.max_tokens_per_micro_batch=1000",),
+     "algo.max_tokens_per_micro_batch=1000 cannot hold the longest possible sample, "
+     "rollout.max_prompt_tokens + rollout.max_new_tokens = 1032 tokens; raise it to 1032 or more"),
+    (("algo.max_tokens_per_micro_batch=64", "rollout.max_prompt_tokens=60"),
+     "rollout.max_prompt_tokens + rollout.max_new_tokens = 68 tokens; raise it to 68 or more, "
+     "or lower rollout.max_prompt_tokens"),
 ])
 def test_bad_algo_values_name_the_field(overrides, fragment):
     with pytest.raises(ValueError) as e:
@@ -57,6 +65,9 @@ def test_bad_algo_values_name_the_field(overrides, fragment):
     (("algo.is_mask=token", "algo.is_mask_low=0"), "is_mask_low", 0.0),  # an upper bound only
     (("algo.is_mask=token", "algo.is_mask_low=1", "algo.is_mask_high=1"), "is_mask_high", 1.0),
     (("algo.is_mask=token", "algo.tis_cap=2.0"), "tis_cap", 2.0),  # mask, then truncate
+    (("algo.max_tokens_per_micro_batch=1032",), "max_tokens_per_micro_batch", 1032),  # just the longest
+    (("algo.max_tokens_per_micro_batch=64", "rollout.max_prompt_tokens=56"),
+     "max_tokens_per_micro_batch", 64),
 ])
 def test_valid_algo_choices_compose(overrides, field, value):
     assert getattr(compose(*overrides).algo, field) == value
@@ -67,3 +78,4 @@ def test_algo_defaults_are_todays_behaviour():
     assert (a.steps_per_rollout, a.loss_agg, a.kl_estimator, a.entropy_coef, a.drop_zero_std_groups) == (
         1, "token_mean", "k3", 0.0, False)
     assert (a.tis_cap, a.is_mask) == (0.0, "none")  # no off-policy correction unless asked
+    assert a.max_tokens_per_micro_batch == 0  # micro-batches of algo.micro_batch_size samples
