@@ -29,8 +29,9 @@ from transfer.net import free_port
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-TIMING = ("train/tokens_per_s", "perf/", "train/micro_batches")
-"""Metrics that measure time, or count per rank (micro-batches), not the update."""
+TIMING = ("train/tokens_per_s", "perf/", "train/micro_batches", "train/pad_frac")
+"""Metrics that measure time, or describe each rank's micro-batches (their count and padding),
+not the update."""
 
 
 def _step_worker(rank: int, world: int, port: int, device: str, tiny_path: str, out: str) -> None:
