@@ -34,7 +34,8 @@ TIMING = ("train/tokens_per_s", "perf/", "train/micro_batches", "train/pad_frac"
 not the update."""
 
 
-def _step_worker(rank: int, world: int, port: int, device: str, tiny_path: str, out: str) -> None:
+def _step_worker(rank: int, world: int, port: int, device: str, tiny_path: str, out: str,
+                 overrides: tuple[str, ...] = ()) -> None:
     """One ``train_batch`` of ``world`` learner ranks on ``device`` over a fixed batch (each
     rank its half); rank 0 saves the metrics, and every parameter before and after the step
     and its gradient, whole, on the CPU."""
@@ -45,7 +46,7 @@ def _step_worker(rank: int, world: int, port: int, device: str, tiny_path: str, 
     if on_gpu:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
     cfg = compose(f"cluster.num_learners={world}", f"cluster.gpus_per_learner={int(on_gpu)}",
-                  "algo.micro_batch_size=3")
+                  "algo.micro_batch_size=3", *overrides)
     learner = Learner(cfg, Runtime("step", os.path.dirname(out), tiny_path), rank, world)
     learner.setup("127.0.0.1", port)
     try:
@@ -64,9 +65,9 @@ def _step_worker(rank: int, world: int, port: int, device: str, tiny_path: str, 
         learner.close()
 
 
-def learner_step(device: str, world: int, tiny_path: str, out_dir) -> dict:
-    out = os.path.join(str(out_dir), f"step_{device}_{world}.pt")
-    mp.start_processes(_step_worker, args=(world, free_port(), device, tiny_path, out),
+def learner_step(device: str, world: int, tiny_path: str, out_dir, overrides: tuple[str, ...] = ()) -> dict:
+    out = os.path.join(str(out_dir), f"step_{device}_{world}_{len(overrides)}.pt")
+    mp.start_processes(_step_worker, args=(world, free_port(), device, tiny_path, out, overrides),
                        nprocs=world, join=True, start_method="spawn")
     return torch.load(out, weights_only=False)
 
@@ -107,6 +108,24 @@ def test_fsdp2_step_over_gloo_matches_one_rank(tiny_path, tmp_path):
 def test_fsdp2_step_over_nccl_matches_gloo(tiny_path, tmp_path):
     assert_same_step(learner_step("cuda", 1, tiny_path, tmp_path),
                      learner_step("cpu", 1, tiny_path, tmp_path), "nccl (CUDA) vs gloo (CPU)")
+
+
+BUDGET_AND_MASK = ("rollout.max_prompt_tokens=4", "rollout.max_new_tokens=6",
+                   "algo.max_tokens_per_micro_batch=24", "algo.is_mask=token", "algo.is_mask_low=0.4",
+                   "algo.is_mask_high=2", "algo.tis_cap=0.5")
+"""Token-budget micro-batches (their pass count max-reduced across ranks) and masked, truncated
+importance sampling (its statistics sum- and max-reduced): more collectives on the device."""
+
+
+@gpu
+@needs_cuda
+def test_fsdp2_step_with_token_budget_and_is_mask_over_nccl_matches_gloo(tiny_path, tmp_path):
+    got = learner_step("cuda", 1, tiny_path, tmp_path, BUDGET_AND_MASK)
+    want = learner_step("cpu", 1, tiny_path, tmp_path, BUDGET_AND_MASK)
+    m = want["metrics"]  # the paths under test were taken
+    assert m["train/micro_batches"] > 1 and m["train/is_truncated_frac"] > 0
+    assert 0 < m["train/is_masked_frac"] < 1
+    assert_same_step(got, want, "token budget + is_mask: nccl (CUDA) vs gloo (CPU)")
 
 
 @gpu

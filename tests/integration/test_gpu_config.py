@@ -75,3 +75,21 @@ def test_image_installs_the_one_pinned_mooncake():
     assert 'pip install -e ".[gpu,test]"' in commands
     assert version not in commands and "[cpu" not in commands and ",cpu" not in commands
     assert commands.count("mooncake") == 0  # every Mooncake wheel comes from the pin
+
+
+def test_gpu_checks_import_without_ray_wandb_mooncake_or_sglang():
+    """scripts/gpu_check.sh runs where torch, transformers and the wheelhouse's Hydra and pytest
+    are all there is: the GPU tests, their fixtures and the learner import without the rest."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('ray', 'wandb', 'mooncake', 'sglang'):\n"
+            "            raise ImportError(f'{name} is not on the GPU check machine')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import tests.integration.conftest, tests.integration.test_gpu, rl.learner.learner\n"
+            "import rl.rollout.engines.hf_engine, rl.learner.export_hf\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

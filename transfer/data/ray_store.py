@@ -31,7 +31,6 @@ import time
 from typing import Sequence
 
 import numpy as np
-import ray
 
 from transfer.data import codec as packing
 from transfer.data.base import Columns, RemovedError, StoreRef, columns_nbytes
@@ -44,6 +43,8 @@ class RayStore:
     def __init__(self, codec: str = "pickle") -> None:
         if codec not in CODECS:
             raise ValueError(f"transfer.codec={codec!r}: the Ray store takes {' or '.join(CODECS)}")
+        import ray  # here, not at the top: the config imports CODECS where Ray may be absent
+
         if not ray.is_initialized():
             raise RuntimeError("transfer=ray needs a running Ray (call ray.init first)")
         self._ray = ray
