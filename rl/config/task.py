@@ -78,15 +78,16 @@ class AdditionTaskConfig(TaskConfig):
 @dataclass(kw_only=True)
 class CalculatorTaskConfig(TaskConfig):
     name: str = "calculator"
-    max_value: int = 99
-    """Largest operand of the sum."""
+    max_value: int = 9
+    """Largest operand of the sum (9: one digit each, what the tiny model learns on CPU;
+    docs/rollout.md)."""
 
     def __post_init__(self) -> None:
         positive(self, "max_value")
 
     def check_rollout(self, rollout: "RolloutConfig") -> None:
-        # a call (``99+99=``), the tool's result (``198 ``) and the answer (``198``, EOS):
-        # 6 + 4 + 4 tokens with the tiny model's tokenizer
+        # a call (``99+99=``), the tool's result (``198``) and the answer (``198``, EOS):
+        # 6 + 3 + 4 tokens with the tiny model's tokenizer
         if rollout.function == DEFAULT_ROLLOUT_FUNCTION:
             raise ValueError("task=calculator answers through a tool: set rollout.function="
                              "rl.rollout.functions:calculator_tool (or a tool-calling function of yours)")

@@ -42,6 +42,9 @@ class EnginePool:
         self.inflight = [0] * len(engines.clients)
         self._busy_s = [0.0] * len(engines.clients)
         self._busy_since: list[float | None] = [None] * len(engines.clients)
+        self._counting = threading.Lock()
+        """Guards the counters above: in fully async mode the stream's thread and an
+        evaluation on the actor's own thread send requests through this pool at once."""
         self.retried = 0
         """Requests sent again because their engine died (a request of ``n`` samples is one)."""
 
@@ -59,25 +62,28 @@ class EnginePool:
     def busy_seconds(self) -> float:
         """Seconds engines had at least one request in flight, summed over engines, since
         the pool was made (an engine with none is idle: ``rollout/engine_busy_s``)."""
-        now = time.monotonic()
-        return sum(b + (now - t if t is not None else 0.0)
-                   for b, t in zip(self._busy_s, self._busy_since))
+        with self._counting:
+            now = time.monotonic()
+            return sum(b + (now - t if t is not None else 0.0)
+                       for b, t in zip(self._busy_s, self._busy_since))
 
     async def generate(self, session, payload: dict, timeout_s: float) -> list[dict]:
         while True:
             i = await self._pick()
-            if self.inflight[i] == 0:
-                self._busy_since[i] = time.monotonic()
-            self.inflight[i] += 1
+            with self._counting:
+                if self.inflight[i] == 0:
+                    self._busy_since[i] = time.monotonic()
+                self.inflight[i] += 1
             try:
                 if not self.retry:
                     return await self.engines.clients[i].agenerate(session, payload, timeout_s)
                 answer = await self._on(i, session, payload, timeout_s)
             finally:
-                self.inflight[i] -= 1
-                if self.inflight[i] == 0:
-                    self._busy_s[i] += time.monotonic() - self._busy_since[i]
-                    self._busy_since[i] = None
+                with self._counting:
+                    self.inflight[i] -= 1
+                    if self.inflight[i] == 0:
+                        self._busy_s[i] += time.monotonic() - self._busy_since[i]
+                        self._busy_since[i] = None
             if answer is not None:
                 return answer
             self.retried += 1

@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable
 
 from rl.rollout.client import EngineError
 from rl.tasks import Prompt
-from rl.tasks.builtin import CALCULATOR_CALL_END, calculator
+from rl.tasks.builtin import CALCULATOR_CALL_END, CALCULATOR_MAX_CALLS, calculator, calculator_transcript
 
 
 @dataclass
@@ -106,16 +106,13 @@ async def single_turn(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[int]
     return [Sample.from_answer(prompt_ids, a) for a in answers]
 
 
-CALCULATOR_MAX_CALLS = 2
-"""Tool calls a calculator sample may make; the turn after the last one gets no stop string."""
-
-
 async def calculator_tool(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[int]) -> list[Sample]:
     """Multi-turn tool use (``task=calculator``): the model writes a call, text ending in
     ``=`` (a stop string), e.g. ``12+34=``; the environment appends the tool's result and a
-    space (``46 ``, loss mask 0); the model goes on, and its last turn is the answer the
-    reward scores. ``rollout.max_new_tokens`` bounds the whole response (model and tool
-    tokens); a sample out of room is unfinished. The ``n`` samples run concurrently."""
+    space (``46 ``, loss mask 0); the model goes on, and its last turn is the answer. The
+    reward scores the transcript, calls and answer (``calculator_transcript``: ``12+34=46 46``).
+    ``rollout.max_new_tokens`` bounds the whole response (model and tool tokens); a sample out
+    of room is unfinished. The ``n`` samples run concurrently."""
     return list(await asyncio.gather(*(_calculator_sample(ctx, prompt_ids)
                                        for _ in range(ctx.n_samples_per_prompt))))
 
@@ -123,9 +120,9 @@ async def calculator_tool(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[
 async def _calculator_sample(ctx: RolloutContext, prompt_ids: list[int]) -> Sample:
     budget = int(ctx.sampling_params["max_new_tokens"])
     ids, mask, logps, metas = [], [], [], []
-    calls = 0
+    calls: list[tuple[str, str]] = []  # (expression, the tool's result)
     while True:
-        stop = [CALCULATOR_CALL_END] if calls < CALCULATOR_MAX_CALLS else []
+        stop = [CALCULATOR_CALL_END] if len(calls) < CALCULATOR_MAX_CALLS else []
         params = {**ctx.sampling_params, "n": 1, "max_new_tokens": budget - len(ids), "stop": stop}
         [answer] = await ctx.generate(prompt_ids + ids, params)
         turn = Sample.from_answer(prompt_ids, answer)
@@ -135,15 +132,16 @@ async def _calculator_sample(ctx: RolloutContext, prompt_ids: list[int]) -> Samp
         metas.append(answer["meta_info"])
         called = answer["meta_info"]["finish_reason"].get("matched") == CALCULATOR_CALL_END
         if not called:
-            return Sample(prompt_ids, ids, mask, logps, turn.finished, metas, turn.text)
-        result = ctx.tokenizer.encode(calculator(turn.text) + " ", add_special_tokens=False)
+            return Sample(prompt_ids, ids, mask, logps, turn.finished, metas,
+                          calculator_transcript(calls, turn.text))
+        calls.append((turn.text, calculator(turn.text)))
+        result = ctx.tokenizer.encode(calls[-1][1], add_special_tokens=False)
         result = result[:budget - len(ids)]
         ids += result
         mask += [0] * len(result)
         logps += [0.0] * len(result)
-        calls += 1
         if len(ids) >= budget:  # no room left for an answer
-            return Sample(prompt_ids, ids, mask, logps, False, metas, "")
+            return Sample(prompt_ids, ids, mask, logps, False, metas, calculator_transcript(calls, ""))
 
 
 # -- loading and calling ------------------------------------------------------------------

@@ -27,7 +27,7 @@ from rl.config import Config
 from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch, encode_prompt, split_balanced, zero_std_groups
 from rl.rollout.client import EngineError
-from rl.rollout.fanout import EnginePool, generate_groups, run_groups
+from rl.rollout.fanout import EnginePool, run_groups
 from rl.rollout.functions import RolloutContext, RolloutFunction, Sample
 from rl.rollout.fleet import EngineFleet, SyncPlan
 from rl.rollout.stream import Stream
@@ -211,27 +211,35 @@ class RolloutManager:
 
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Answer the held-out prompts (``eval``) with the engines' current weights and score
-        them with the task's reward (single-turn: one request per prompt, whatever
-        ``rollout.function``): ``eval/reward_mean``, ``eval/pass@<n>`` (prompts with an
-        answer of full reward), ``eval/response_len_mean``, ``eval/truncated_frac``,
-        ``eval/time``. Nothing is stored or trained: the sample ids, the data position and
-        the fully async accounting are untouched."""
+        """Answer the held-out prompts (``eval``) with the engines' current weights through the
+        rollout function (``rollout.function``, with ``eval.n_samples`` samples a prompt and
+        the eval sampling) and score them with the task's reward: ``eval/reward_mean``,
+        ``eval/pass@<n>`` (prompts with an answer of full reward), ``eval/response_len_mean``,
+        ``eval/truncated_frac``, ``eval/time``. Nothing is stored or trained: the sample ids,
+        the data position and the fully async accounting are untouched."""
         ec, rc = self.cfg.eval, self.cfg.rollout
         t0 = time.perf_counter()
         if self._eval_prompts is None:
             self._eval_prompts = held_out_prompts(self.cfg)
         prompts = self._eval_prompts
+        prompt_ids = self.encode(prompts)
+        fn = RolloutFunction(rc.function, n=ec.n_samples, max_prompt_tokens=rc.max_prompt_tokens,
+                             max_new_tokens=rc.max_new_tokens)
         sampling = {**rc.sampling_params(), **({"temperature": 0.0} if ec.greedy else {})}
-        answers = asyncio.run(generate_groups(self.pool, self.encode(prompts), ec.n_samples, sampling,
-                                              rc.request_timeout_s, label="eval"))
-        finished = [[a["meta_info"]["finish_reason"]["type"] == "stop" for a in g] for g in answers]
-        rewards = np.asarray([[self.task.reward(a["text"], p.label, done) for a, done in zip(g, f)]
-                              for p, g, f in zip(prompts, answers, finished)], dtype=np.float64)
+
+        async def group(session, i: int) -> list[Sample]:
+            ctx = RolloutContext(pool=self.pool, session=session, timeout_s=rc.request_timeout_s,
+                                 tokenizer=self.tokenizer, sampling_params=sampling,
+                                 n_samples_per_prompt=ec.n_samples)
+            return await fn.group(ctx, prompts[i], prompt_ids[i])
+
+        groups = asyncio.run(run_groups(group, len(prompts), ec.n_samples, label="eval"))
+        rewards = np.asarray([[self.task.reward(s.text, p.label, s.finished) for s in g]
+                              for p, g in zip(prompts, groups)], dtype=np.float64)
         return {"eval/reward_mean": float(rewards.mean()),
                 f"eval/pass@{ec.n_samples}": float((rewards >= 1.0).any(axis=1).mean()),
-                "eval/response_len_mean": float(np.mean([len(a["output_ids"]) for g in answers for a in g])),
-                "eval/truncated_frac": 1.0 - float(np.mean(finished)),
+                "eval/response_len_mean": float(np.mean([len(s.response_ids) for g in groups for s in g])),
+                "eval/truncated_frac": 1.0 - float(np.mean([s.finished for g in groups for s in g])),
                 "eval/time": time.perf_counter() - t0}
 
     # -- bookkeeping ---------------------------------------------------------------------

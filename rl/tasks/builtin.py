@@ -99,6 +99,8 @@ class AdditionTask(_StreamTask):
 
 CALCULATOR_CALL_END = "="
 """Ends a calculator call: the model writes ``12+34=`` and the environment appends ``46 ``."""
+CALCULATOR_MAX_CALLS = 1
+"""Tool calls a calculator sample may make; the turn after the last one gets no stop string."""
 _CALL = re.compile(r"^\s*(-?\d+)\s*([+*-])\s*(-?\d+)\s*$")
 
 
@@ -112,11 +114,33 @@ def calculator(expression: str) -> str:
     return str(a + b if op == "+" else a - b if op == "-" else a * b)
 
 
+def calculator_transcript(calls: list[tuple[str, str]], answer: str) -> str:
+    """A tool-use sample as text: each call's expression, ``=``, the tool's result and a space,
+    then the answer: ``12+34=46 46``. What ``calculator_tool`` gives the reward to score."""
+    return "".join(f"{expr}{CALCULATOR_CALL_END}{result} " for expr, result in calls) + answer
+
+
+def parse_calculator_transcript(text: str) -> tuple[list[tuple[str, str]], str]:
+    """``calculator_transcript`` read back: the calls (expression, result) and the answer. A
+    call's text holds no ``=`` (it is the stop string) and a result no space, so the reading is
+    unambiguous."""
+    calls, rest = [], text
+    while len(calls) < CALCULATOR_MAX_CALLS and CALCULATOR_CALL_END in rest:
+        expr, _, after = rest.partition(CALCULATOR_CALL_END)
+        result, _, rest = after.partition(" ")
+        calls.append((expr, result))
+    return calls, rest
+
+
 class CalculatorTask(_StreamTask):
     """Tool use: ``sum 12 34:`` -> the model calls the calculator (``12+34=``), reads its
     result (``46 ``, appended by the environment: ``rl.rollout.functions.calculator_tool``)
-    and answers ``46``. Reward: 1 when the final answer (the text after the last tool result)
-    is the sum and ended with an end-of-sequence token, else 0."""
+    and answers ``46``. The label is the call, ``12+34``. The reward scores the transcript
+    (``calculator_transcript``), 0 without an end-of-sequence token: half for the first call
+    (right characters, position by position, against the label) and half for the final answer
+    (right characters against the sum). 1 for the right call and answer; 0 without a call (else
+    the tiny model settles on guessing one digit). The call's credit is what lets a model that
+    has never seen a call learn to make one."""
 
     def __init__(self, max_value: int = 99, seed: int = 0) -> None:
         super().__init__(seed)
@@ -124,7 +148,17 @@ class CalculatorTask(_StreamTask):
 
     def make(self, rng: random.Random) -> tuple[str, str]:
         a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
-        return f"sum {a} {b}:", str(a + b)
+        return f"{a}+{b}:", f"{a}+{b}"
 
     def reward(self, response: str, label: str, finished: bool) -> float:
-        return float(finished and response.strip() == label)
+        if not finished:
+            return 0.0
+        calls, answer = parse_calculator_transcript(response)
+        if not calls:
+            return 0.0
+        (call, result), want = calls[0], calculator(label)
+        m, (a, b) = _CALL.match(call), label.split("+")
+        if m is None:  # a call the calculator cannot read: credit for its right characters
+            return 0.2 * char_credit(call.strip(), label)
+        call_credit = 0.2 + 0.15 * (m.group(1) == a) + 0.15 * (m.group(3) == b)
+        return call_credit + (0.5 * char_credit(answer.strip(), want) if result == want else 0.0)

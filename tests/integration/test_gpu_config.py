@@ -89,7 +89,9 @@ def test_gpu_checks_import_without_ray_wandb_mooncake_or_sglang():
             "        if name.split('.')[0] in ('ray', 'wandb', 'mooncake', 'sglang'):\n"
             "            raise ImportError(f'{name} is not on the GPU check machine')\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import tests.integration.conftest, tests.integration.test_gpu, rl.learner.learner\n"
-            "import rl.rollout.engines.hf_engine, rl.learner.export_hf\n")
+            "import rl.learner.learner, rl.rollout.engines.hf_engine, rl.learner.export_hf, pytest\n"
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only',\n"
+            "                      'tests/integration/test_gpu.py']))\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 0, (run.stdout + run.stderr)[-2000:]
+    assert "7 tests collected" in run.stdout, run.stdout[-2000:]

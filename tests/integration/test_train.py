@@ -140,7 +140,8 @@ def test_evaluation_scores_held_out_prompts_with_the_task_reward(tmp_path):
 
 CALCULATOR = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
               "rollout.max_new_tokens=16", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-              "logger=console", "checkpoint.every=0")
+              "logger=console", "checkpoint.every=0", "eval.every=2", "eval.num_prompts=3",
+              "eval.n_samples=2")
 
 
 @pytest.mark.parametrize("entry", ["train.py", "train_async.py"])
@@ -164,6 +165,8 @@ def test_calculator_task_trains_through_its_multi_turn_rollout_function(entry, t
         assert 0.0 <= r["rollout/reward_mean"] <= 1.0
         assert 0 < r["rollout/response_len_mean"] <= 16
     assert "step 2/2 | reward" in proc.stdout
+    assert "eval/reward_mean" not in rows[0]  # evaluated once, after the last step, through the tool loop
+    assert 0.0 <= rows[1]["eval/reward_mean"] <= 1.0 and 0 < rows[1]["eval/response_len_mean"] <= 16
     assert_nothing_left(engine_ports(proc.stdout))
 
 

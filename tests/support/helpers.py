@@ -1,5 +1,9 @@
-"""Reward functions for tests (importable by workers through ``_target_``), and how the
-end-to-end matrices pair data paths with weight paths."""
+"""Reward and rollout functions for tests (importable by workers through ``_target_`` and
+``rollout.function``), and how the end-to-end matrices pair data paths with weight paths."""
+
+import asyncio
+
+from rl.rollout.functions import single_turn
 
 
 def length_reward(response: str, label: str) -> float:
@@ -30,3 +34,27 @@ def finished_reward(response: str, label: str) -> float:
     """1 for any answer that ends (unfinished ones score 0 before this is called): a random
     model earns it now and then, and the tiny model learns to stop within a few dozen steps."""
     return 1.0
+
+
+LATE_PROMPT, LATE_UNTIL = 0, 3
+_started: set[int] = set()  # prompt indices whose group has started, in the manager's process
+_held: list[asyncio.Future] = []  # the late group, waiting for LATE_UNTIL's to start
+
+
+async def late_first_group(ctx, prompt, prompt_ids):
+    """``rollout.function=tests.support.helpers:late_first_group``: ``single_turn``, except that
+    prompt ``LATE_PROMPT``'s group, answered at once by the weights it started under, finishes
+    only when prompt ``LATE_UNTIL``'s group starts (so, as a rule, before that one finishes): a
+    group overtaken by later ones, which fully async admission cannot bound
+    (rl/rollout/stream.py)."""
+    _started.add(prompt.index)
+    if prompt.index == LATE_UNTIL:
+        for held in _held:
+            if not held.done():
+                held.set_result(None)  # wakes the late group at once, not at a poll's next tick
+    samples = await single_turn(ctx, prompt, prompt_ids)
+    if prompt.index == LATE_PROMPT and LATE_UNTIL not in _started:
+        held = asyncio.get_running_loop().create_future()
+        _held.append(held)
+        await held
+    return samples

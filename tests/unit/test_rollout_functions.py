@@ -13,7 +13,7 @@ from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch
 from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load
 from rl.tasks import Prompt
-from rl.tasks.builtin import CalculatorTask, calculator
+from rl.tasks.builtin import CalculatorTask, calculator, calculator_transcript, parse_calculator_transcript
 from tests.support.env import compose
 
 
@@ -45,37 +45,37 @@ def _ctx(pool, tokenizer=None, n: int = 1, max_new_tokens: int = 16) -> RolloutC
 
 
 def test_calculator_sample_masks_the_tool_result_token_by_token(tiny_path):
-    """``sum 12 34:``: the model calls ``12+34=`` (6 tokens, trained), the environment
-    appends ``46 `` (3 tokens: loss mask 0, log-prob 0), the model answers ``46<eos>`` (3
-    tokens, trained); the reward scores the answer, and the batch carries the mask as is."""
+    """``12+34:``: the model calls ``12+34=`` (6 tokens, trained), the environment appends
+    ``46`` (2 tokens: loss mask 0, log-prob 0), the model answers ``46<eos>`` (3 tokens,
+    trained); the reward scores the transcript, and the batch carries the mask as is."""
     tok = load_tokenizer(tiny_path)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     eos = tok.eos_token_id
     pool = ScriptedPool([("12+34", enc("12+34="), {"type": "stop", "matched": "="}),
                          ("46", enc("46") + [eos], {"type": "stop", "matched": eos})])
     prompt = CalculatorTask(seed=0).next_prompts(1)[0]
-    prompt = Prompt(text="sum 12 34:", label="46", index=prompt.index)
+    prompt = Prompt(text="12+34:", label="12+34", index=prompt.index)
     prompt_ids = enc(prompt.text)
     fn = RolloutFunction("rl.rollout.functions:calculator_tool", n=1, max_prompt_tokens=64,
                          max_new_tokens=16)
     [s] = asyncio.run(fn.group(_ctx(pool, tok), prompt, prompt_ids))
 
-    call, result, answer = enc("12+34="), enc("46 "), enc("46") + [eos]
-    assert (len(call), len(result), len(answer)) == (6, 3, 3)
+    call, result, answer = enc("12+34="), enc("46"), enc("46") + [eos]
+    assert (len(call), len(result), len(answer)) == (6, 2, 3)
     assert s.prompt_ids == prompt_ids
     assert s.response_ids == call + result + answer
-    assert s.loss_mask == [1] * 6 + [0] * 3 + [1] * 3
+    assert s.loss_mask == [1] * 6 + [0] * 2 + [1] * 3
     for j, (m, lp) in enumerate(zip(s.loss_mask, s.logprobs)):
         assert (lp == 0.0) == (m == 0), (j, m, lp)  # the engine's log-probs on model tokens only
     assert s.logprobs[:6] == pytest.approx([-0.1 * (k + 1) for k in range(6)])
-    assert s.logprobs[9:] == pytest.approx([-0.1, -0.2, -0.3])
-    assert s.finished and s.text == "46" and len(s.meta_info) == 2
+    assert s.logprobs[8:] == pytest.approx([-0.1, -0.2, -0.3])
+    assert s.finished and s.text == "12+34=46 46" and len(s.meta_info) == 2  # the transcript
     # the second turn continues the whole context, with the budget that is left and no stop
     first, second = pool.payloads
     assert first["sampling_params"]["stop"] == ["="] and first["input_ids"] == prompt_ids
     assert second["input_ids"] == prompt_ids + call + result
-    assert second["sampling_params"]["max_new_tokens"] == 16 - 9
-    assert second["sampling_params"]["stop"] == ["="]  # a second call is still allowed
+    assert second["sampling_params"]["max_new_tokens"] == 16 - 8
+    assert second["sampling_params"]["stop"] == []  # one call (CALCULATOR_MAX_CALLS), then the answer
 
     task = CalculatorTask()
     batch = build_batch([prompt], [[s]], task.reward, group_size=1, std_norm=True, first_sample_id=0)
@@ -90,7 +90,7 @@ def test_calculator_without_a_call_and_out_of_room(tiny_path):
     tok = load_tokenizer(tiny_path)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     eos = tok.eos_token_id
-    prompt = Prompt(text="sum 1 2:", label="3", index=0)
+    prompt = Prompt(text="1+2:", label="1+2", index=0)
     # no call: one turn, every token trained
     pool = ScriptedPool([("3", enc("3") + [eos], {"type": "stop", "matched": eos})])
     [s] = asyncio.run(RolloutFunction("rl.rollout.functions:calculator_tool", n=1, max_prompt_tokens=64,
@@ -102,7 +102,7 @@ def test_calculator_without_a_call_and_out_of_room(tiny_path):
                                       max_new_tokens=5).group(_ctx(pool, tok, max_new_tokens=5),
                                                               prompt, enc(prompt.text)))
     assert s.response_ids == enc("1+2=3") and s.loss_mask == [1, 1, 1, 1, 0]
-    assert not s.finished and s.text == ""
+    assert not s.finished and s.text == "1+2=3 "
 
 
 def test_calculator_tool_and_task():
@@ -110,11 +110,23 @@ def test_calculator_tool_and_task():
     assert calculator("12+") == "error" and calculator("import os") == "error"
     t = CalculatorTask(seed=1)
     [p] = t.next_prompts(1)
-    a, b = (int(x) for x in p.text.removeprefix("sum ").removesuffix(":").split())
-    assert p.label == str(a + b)
-    assert t.reward(f" {a + b}", p.label, True) == 1.0
-    assert t.reward(str(a + b), p.label, False) == 0.0
-    assert t.reward(str(a + b + 1), p.label, True) == 0.0
+    a, b = (int(x) for x in p.text.removesuffix(":").split("+"))
+    assert p.label == f"{a}+{b}"  # the call; its result is the answer
+    call = calculator_transcript([(f"{a}+{b}", str(a + b))], f" {a + b}")
+    assert call == f"{a}+{b}={a + b}  {a + b}"
+    assert parse_calculator_transcript(call) == ([(f"{a}+{b}", str(a + b))], f" {a + b}")
+    assert t.reward(call, p.label, True) == 1.0
+    assert t.reward(call, p.label, False) == 0.0  # no end-of-sequence: nothing
+    assert t.reward(str(a + b), p.label, True) == 0.0  # no call: nothing
+    # a call the calculator reads: 0.2, and 0.15 for each right operand; the answer's half
+    # (right characters against the sum) only when the call's result is the sum
+    assert t.reward(calculator_transcript([("12+34", "46")], "46"), "12+35", True) == pytest.approx(0.35)
+    assert parse_calculator_transcript("2+3=5 2+4=6 6") == ([("2+3", "5")], "2+4=6 6")  # one call
+    assert t.reward("2+3=5 2+4=6 6", "2+3", True) == 0.5
+    assert t.reward(calculator_transcript([("2+3", "5")], "51"), "2+3", True) == pytest.approx(0.75)
+    # a call it cannot read: a fifth of its right characters
+    assert t.reward(calculator_transcript([("1+", "error")], "3"), "1+2", True) == pytest.approx(0.2 * 2 / 3)
+    assert parse_calculator_transcript("1+2=error 3") == ([("1+2", "error")], "3")
 
 
 def test_single_turn_makes_one_request_of_n_and_trains_every_token():
@@ -204,4 +216,4 @@ def test_rollout_function_config():
         compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool")
     cfg = compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
                   "rollout.max_new_tokens=16")
-    assert (cfg.task.name, cfg.task.max_value) == ("calculator", 99)
+    assert (cfg.task.name, cfg.task.max_value) == ("calculator", 9)
