@@ -149,7 +149,7 @@ async def generate_groups(pool: EnginePool, prompt_ids: list[list[int]], n: int,
     """``n`` raw SGLang answers per prompt, one request per prompt (``sampling_params.n``),
     all in flight at once (``run_groups``); answers grouped by prompt. Training batches go
     through the rollout function (``rl.rollout.functions``), whose default sends the same
-    requests; evaluation sends these.
+    requests; the SGLang contract tests send these.
 
     One request per prompt rather than per sample: 64 x 8 separate requests spent most of a
     default step's generation in HTTP and batching overhead (docs/benchmarks.md). SGLang

@@ -108,8 +108,8 @@ async def single_turn(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[int]
 
 async def calculator_tool(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[int]) -> list[Sample]:
     """Multi-turn tool use (``task=calculator``): the model writes a call, text ending in
-    ``=`` (a stop string), e.g. ``12+34=``; the environment appends the tool's result and a
-    space (``46 ``, loss mask 0); the model goes on, and its last turn is the answer. The
+    ``=`` (a stop string), e.g. ``12+34=``; the environment appends the tool's result (``46``,
+    loss mask 0); the model goes on, and its last turn is the answer. The
     reward scores the transcript, calls and answer (``calculator_transcript``: ``12+34=46 46``).
     ``rollout.max_new_tokens`` bounds the whole response (model and tool tokens); a sample out
     of room is unfinished. The ``n`` samples run concurrently."""
