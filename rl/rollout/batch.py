@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from rl.rollout.functions import Sample
+from rl.rollout.functions import Sample, score
 from rl.tasks import Prompt
 from rl.types import RolloutBatch
 from transfer.data.base import Ragged
@@ -63,7 +63,8 @@ def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
                 reward: Callable[[str, str, bool], float], *, group_size: int, std_norm: bool,
                 first_sample_id: int) -> RolloutBatch:
     """The training batch of one step: each prompt's samples (from the rollout function,
-    grouped by prompt), scored by ``reward(text, label, finished)``, with GRPO advantages over
+    grouped by prompt), scored by ``reward(text, label, finished)`` unless a sample carries its
+    own (``Sample.reward``), with GRPO advantages over
     each group of ``group_size`` and sample ids counted from ``first_sample_id``."""
     # Ragged fields are built flat: every sample's ids, mask and log-probs appended to one
     # list, made one array each at the end (no per-sample arrays).
@@ -77,7 +78,7 @@ def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
             logps += s.logprobs
             plen.append(len(s.prompt_ids))
             rlen.append(len(s.response_ids))
-            rewards.append(reward(s.text, prompt.label, s.finished))
+            rewards.append(score(s, prompt, reward))
             group_ids.append(prompt.index)
             reasons.append("stop" if s.finished else "length")
             labels.append(prompt.label)

@@ -86,7 +86,8 @@ class EnginePool:
                         self._busy_since[i] = None
             if answer is not None:
                 return answer
-            self.retried += 1
+            with self._counting:
+                self.retried += 1
 
     async def _on(self, i: int, session, payload: dict, timeout_s: float) -> list[dict] | None:
         """The request's answer from engine ``i``, or None when that engine was found dead

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 
 import ray
@@ -46,6 +47,9 @@ class EngineSet:
         self.state = ["live"] * len(clients)
         """``live``, ``down`` or ``joining`` (see the module's docstring)."""
         self.down_reason: dict[int, str] = {}
+        self._changing = threading.Lock()
+        """Makes each state change one step: the health monitor's thread, the fully async
+        stream's and the actor's own (an evaluation) may each find the same engine dead."""
         self.holding = False
         """A weight sync is replacing engines: with none live, requests wait for its end
         instead of failing (a death during a sync can leave every engine out of service
@@ -60,25 +64,28 @@ class EngineSet:
 
     def mark_down(self, i: int, reason: str) -> bool:
         """Take engine ``i`` out of service (or out of joining); False when it already was."""
-        if self.state[i] == "down":
-            return False
-        self.state[i] = "down"
-        self.down_reason[i] = reason
+        with self._changing:
+            if self.state[i] == "down":
+                return False
+            self.state[i] = "down"
+            self.down_reason[i] = reason
         logger.warning("%s is down (%s); its requests go to the other engines", self.clients[i].name,
                        reason)
         return True
 
     def replace(self, i: int, client: EngineClient) -> None:
         """Engine ``i`` was started again; it takes requests after ``join``."""
-        self.clients[i] = client
-        self.state[i] = "joining"
-        self.down_reason.pop(i, None)
+        with self._changing:
+            self.clients[i] = client
+            self.state[i] = "joining"
+            self.down_reason.pop(i, None)
 
     def join(self) -> list[int]:
         """Replaced engines serve the current weights now: back in service."""
-        joined = [i for i, s in enumerate(self.state) if s == "joining"]
-        for i in joined:
-            self.state[i] = "live"
+        with self._changing:
+            joined = [i for i, s in enumerate(self.state) if s == "joining"]
+            for i in joined:
+                self.state[i] = "live"
         return joined
 
 

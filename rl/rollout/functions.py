@@ -14,8 +14,9 @@ step-by-step path (``manager.generate``) and the fully async stream, with
 and it returns ``n_samples_per_prompt`` ``Sample``s: prompt ids, response ids (model and
 environment tokens interleaved), a per-token loss mask (1 = model token, trained; 0 =
 environment token), the engine's log-probs (0 where masked), whether it finished, the
-SGLang ``meta_info`` of each model turn, and the text the task's reward scores. The manager
-checks each sample and scores it with the task's reward; an error raised inside the function
+SGLang ``meta_info`` of each model turn, and the text the task's reward scores (or the
+sample's own reward, ``Sample.reward``). The manager checks each sample and scores it with the
+task's reward unless the function did; an error raised inside the function
 names it and the prompt. Nothing downstream changes: the learner trains the tokens whose
 loss mask is 1. Writing one: docs/rollout.md.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -56,6 +58,9 @@ class Sample:
     the oldest: ``rl.rollout.batch.sample_weight_version``)."""
     text: str
     """What the task's reward scores (e.g. the final answer's text)."""
+    reward: float | None = None
+    """The sample's reward, when the function scored it itself (e.g. an environment's own
+    verdict: tests passed, the game won); ``None``: the task's reward scores ``text``."""
 
     @classmethod
     def from_answer(cls, prompt_ids: list[int], answer: dict) -> Sample:
@@ -67,6 +72,14 @@ class Sample:
             raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(out_ids)} tokens")
         return cls(prompt_ids=prompt_ids, response_ids=out_ids, loss_mask=[1] * len(out_ids),
                    logprobs=lp, finished=finished(answer), meta_info=[meta], text=answer["text"])
+
+
+def score(sample: Sample, prompt: Prompt, reward: Callable[[str, str, bool], float]) -> float:
+    """A sample's reward: its own (``Sample.reward``), else the task's
+    ``reward(text, label, finished)``."""
+    if sample.reward is not None:
+        return float(sample.reward)
+    return float(reward(sample.text, prompt.label, sample.finished))
 
 
 def finished(answer: dict) -> bool:
@@ -211,6 +224,8 @@ class RolloutFunction:
                 return f"sample {i} with a loss mask other than 0 and 1"
             if any(lp != 0.0 for m, lp in zip(s.loss_mask, s.logprobs) if m == 0):
                 return f"sample {i} with a log-prob other than 0.0 on a masked token"
+            if s.reward is not None and not (isinstance(s.reward, (int, float)) and math.isfinite(s.reward)):
+                return f"sample {i} with reward={s.reward!r}; a finite number, or None for the task's reward"
             if not s.meta_info:
                 return f"sample {i} without meta_info (one SGLang meta_info per model turn)"
         return None

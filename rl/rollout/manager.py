@@ -28,7 +28,7 @@ from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch, encode_prompt, split_balanced, zero_std_groups
 from rl.rollout.client import EngineError
 from rl.rollout.fanout import EnginePool, run_groups
-from rl.rollout.functions import RolloutContext, RolloutFunction, Sample
+from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, score
 from rl.rollout.fleet import EngineFleet, SyncPlan
 from rl.rollout.stream import Stream
 from rl.runtime import Runtime
@@ -234,7 +234,7 @@ class RolloutManager:
             return await fn.group(ctx, prompts[i], prompt_ids[i])
 
         groups = asyncio.run(run_groups(group, len(prompts), ec.n_samples, label="eval"))
-        rewards = np.asarray([[self.task.reward(s.text, p.label, s.finished) for s in g]
+        rewards = np.asarray([[score(s, p, self.task.reward) for s in g]
                               for p, g in zip(prompts, groups)], dtype=np.float64)
         return {"eval/reward_mean": float(rewards.mean()),
                 f"eval/pass@{ec.n_samples}": float((rewards >= 1.0).any(axis=1).mean()),

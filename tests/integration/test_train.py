@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.support.env import REPO, compose
+from tests.support.helpers import eval_task
 from tests.support.runs import (REQUIRED, assert_nothing_left, engine_ports, read_metrics, train,
                                 train_async)
 
@@ -117,15 +118,11 @@ def test_evaluation_scores_held_out_prompts_with_the_task_reward(tmp_path):
     held-out file's prompts with the weights just pushed and the task's reward scores them.
     ``finished_reward`` pays 1 exactly for an answer that ends, so the eval reward is the
     finished fraction; greedy answers of a prompt are all alike, so pass@2 equals it too."""
-    data, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
-    data.write_text("".join(f'{{"prompt": "{c}:", "label": "x"}}\n' for c in "abcd"))
-    held_out.write_text("".join(f'{{"prompt": "{c}{c}:", "label": "x"}}\n' for c in "efghij"))
     out = tmp_path / "out"
-    proc = train("task=jsonl", f"task.path={data}",
-                 "task.reward._target_=tests.support.helpers.finished_reward", "logger=console",
+    proc = train(*eval_task(tmp_path), "logger=console",
                  "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
                  "rollout.max_new_tokens=4", "num_steps=3", "checkpoint.every=0", "eval.every=2",
-                 f"eval.path={held_out}", "eval.num_prompts=5", "eval.n_samples=2", "eval.greedy=true",
+                 "eval.num_prompts=5", "eval.n_samples=2", "eval.greedy=true",
                  f"output_dir={out}")
     rows = read_metrics(out)
     assert ["eval/reward_mean" in r for r in rows] == [False, True, True]  # after steps 2 and 3

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.support.helpers import LATE_PROMPT
+from tests.support.helpers import LATE_PROMPT, eval_task
 from tests.support.runs import (REQUIRED, assert_nothing_left, check_ledger, engine_ports, read_ledger,
                                 read_metrics, train_async)
 
@@ -27,16 +27,12 @@ def test_evaluation_runs_in_both_async_loops_and_leaves_training_data_alone(full
     are alike, so pass@3 equals it). Evaluation takes no training prompt or sample id: every
     step trains a whole batch, and in fully async the ledger accounts for every sample, within
     the staleness bound, with only training-sized groups; the run ends cleanly."""
-    data, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
-    data.write_text("".join(f'{{"prompt": "{c}:", "label": "x"}}\n' for c in "abcd"))
-    held_out.write_text("".join(f'{{"prompt": "{c}{c}:", "label": "x"}}\n' for c in "efghij"))
     out = tmp_path / "out"
-    proc = train_async("task=jsonl", f"task.path={data}",
-                       "task.reward._target_=tests.support.helpers.finished_reward", "transfer=ray",
+    proc = train_async(*eval_task(tmp_path), "transfer=ray",
                        f"rollout.fully_async={str(fully_async).lower()}",
                        f"rollout.prompts_per_step={PER_STEP}", f"rollout.n_samples_per_prompt={N}",
                        "rollout.max_new_tokens=4", "num_steps=3",
-                       "checkpoint.every=0", "algo.max_staleness=1", "eval.every=2", f"eval.path={held_out}",
+                       "checkpoint.every=0", "algo.max_staleness=1", "eval.every=2",
                        f"eval.num_prompts={EVAL_PROMPTS}", f"eval.n_samples={EVAL_N}", "eval.greedy=true",
                        f"output_dir={out}")
     rows = read_metrics(out)

@@ -36,6 +36,17 @@ def finished_reward(response: str, label: str) -> float:
     return 1.0
 
 
+def eval_task(tmp_path) -> tuple[str, ...]:
+    """Overrides for an evaluation test: ``task=jsonl`` over four training prompts and
+    ``eval.path`` over six held-out ones, all scored by ``finished_reward`` (so the eval reward
+    is the finished fraction); the two files are written under ``tmp_path``."""
+    data, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    data.write_text("".join(f'{{"prompt": "{c}:", "label": "x"}}\n' for c in "abcd"))
+    held_out.write_text("".join(f'{{"prompt": "{c}{c}:", "label": "x"}}\n' for c in "efghij"))
+    return ("task=jsonl", f"task.path={data}", "task.reward._target_=tests.support.helpers.finished_reward",
+            f"eval.path={held_out}")
+
+
 LATE_PROMPT, LATE_UNTIL = 0, 3
 _started: set[int] = set()  # prompt indices whose group has started, in the manager's process
 _held: list[asyncio.Future] = []  # the late group, waiting for LATE_UNTIL's to start

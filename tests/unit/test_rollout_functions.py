@@ -11,7 +11,7 @@ import pytest
 
 from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch
-from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load
+from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load, score
 from rl.tasks import Prompt
 from rl.tasks.builtin import CalculatorTask, calculator, calculator_transcript, parse_calculator_transcript
 from tests.support.env import compose
@@ -167,6 +167,24 @@ async def too_long(ctx, prompt, prompt_ids):
     return [Sample([1], [2] * 9, [1] * 9, [-0.5] * 9, True, [{}], "x")]
 
 
+async def nan_reward(ctx, prompt, prompt_ids):
+    return [Sample([1], [2], [1], [-0.5], True, [{}], "x", reward=float("nan"))]
+
+
+def test_a_sample_scored_by_its_function_keeps_its_reward():
+    """``Sample.reward`` set: the manager's batch and evaluation take it as it is; unset: the
+    task's reward scores the text."""
+    own = Sample([1], [2], [1], [-0.5], True, [{}], "wrong", reward=0.75)
+    plain = Sample([1], [3], [1], [-0.5], True, [{}], "right")
+    task_reward = lambda text, label, finished: float(text == label)  # noqa: E731
+    prompt = Prompt(text="q", label="right", index=0)
+    assert score(own, prompt, task_reward) == 0.75 and score(plain, prompt, task_reward) == 1.0
+    batch = build_batch([prompt], [[own, plain]], task_reward, group_size=2, std_norm=False,
+                        first_sample_id=0)
+    assert batch.rewards.tolist() == [0.75, 1.0]
+    assert batch.advantages.tolist() == [-0.125, 0.125]
+
+
 def test_load_names_the_function_when_it_cannot_be_used():
     with pytest.raises(ValueError, match=r"rollout.function='nope.module:f' cannot be imported"):
         load("nope.module:f")
@@ -197,6 +215,7 @@ def test_errors_name_the_function_and_the_prompt(name, fragment):
 @pytest.mark.parametrize("name, fragment", [
     ("logprob_on_masked", "a log-prob other than 0.0 on a masked token"),
     ("too_long", "rollout.max_new_tokens=8 bounds the whole response"),
+    ("nan_reward", "sample 0 with reward=nan; a finite number, or None for the task's reward"),
 ])
 def test_samples_are_checked(name, fragment):
     fn = RolloutFunction(f"tests.unit.test_rollout_functions:{name}", n=1, max_prompt_tokens=8,
