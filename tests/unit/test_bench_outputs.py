@@ -68,3 +68,19 @@ def test_three_hosts_traffic_is_per_host_mb():
     after = {"A": {"rx_mb_lo": 2_000_000, "tx_mb_lo": 2_000_000, "rx_mb_rl3Av": 1_000_000,
                    "tx_mb_rl3Av": 5_000_000}}
     assert three.traffic(before, after) == {"A": _host(2.0, 5.0, 1.0)}
+
+
+def test_microbatch_train_mode_compares_the_jobs_micro_batches_with_the_same_peak_budget():
+    """``--train``: the job's micro-batch size against a budget of that many samples of the
+    longest possible length (the same peak of token slots per pass); bad values fail first."""
+    bench = importlib.import_module("benchmarks.microbatch_bench")
+    job = ["task=repeat_count", "rollout.max_new_tokens=41", "rollout.max_prompt_tokens=8"]
+    modes, overrides = bench.train_modes(bench.parse_args(["--train", "--", *job]))
+    assert overrides == job
+    assert modes == {"micro_batch_size=64": ["algo.micro_batch_size=64"],
+                     "max_tokens_per_micro_batch=3136": ["algo.micro_batch_size=64",
+                                                         "algo.max_tokens_per_micro_batch=3136"]}
+    modes, _ = bench.train_modes(bench.parse_args(["--train", "--micro-batch-size", "16", "--", *job]))
+    assert list(modes) == ["micro_batch_size=16", "max_tokens_per_micro_batch=784"]
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        bench.train_modes(bench.parse_args(["--train", "--budget", "10", "--", *job]))
