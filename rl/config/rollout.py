@@ -69,6 +69,10 @@ class RolloutConfig:
     """The rollout function, ``module:callable``: turns one prompt group into its samples
     (single-turn by default; multi-turn tool use: ``rl.rollout.functions:calculator_tool``;
     your own: docs/rollout.md). Imported before anything starts."""
+    dump_every: int = 0
+    """Write every this many steps' samples (prompt, response text and ids, loss mask,
+    log-probs, reward) to ``<output_dir>/rollouts/step_<step>.jsonl`` (0 = never), on the
+    rollout manager's node."""
     pause_mode: str = "retract"
     """How engines pause for a weight sync (SGLang's ``pause_generation`` mode): ``retract``
     or ``in_place``; requests in flight are kept either way."""
@@ -77,6 +81,8 @@ class RolloutConfig:
         positive(self, "prompts_per_step", "n_samples_per_prompt", "max_new_tokens", "max_prompt_tokens",
                   "request_timeout_s", "engine_start_timeout_s", "health_check_timeout_s",
                   "health_check_interval_s")
+        if self.dump_every < 0:
+            raise ValueError(f"rollout.dump_every={self.dump_every} must be >= 0 (0 = never)")
         if self.health_check_first_wait_s < 0 or self.max_engine_restarts < 0:
             raise ValueError("rollout.health_check_first_wait_s and rollout.max_engine_restarts "
                              "must be >= 0")

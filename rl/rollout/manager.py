@@ -27,6 +27,7 @@ from rl.config import Config
 from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch, encode_prompt, split_balanced, zero_std_groups
 from rl.rollout.client import EngineError
+from rl.rollout.dump import dump_path, dump_samples
 from rl.rollout.fanout import EnginePool, run_groups
 from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, score
 from rl.rollout.fleet import EngineFleet, SyncPlan
@@ -155,6 +156,9 @@ class RolloutManager:
         rc = self.cfg.rollout
         with self._lock:
             batch = self._build_batch(prompts, groups)
+        if rc.dump_every and (step + 1) % rc.dump_every == 0:
+            dump_samples(dump_path(self.runtime.output_dir, step), step, prompts, groups, batch,
+                         self.tokenizer)
         zero_std = zero_std_groups(batch, rc.n_samples_per_prompt, drop=self.cfg.algo.drop_zero_std_groups)
         parts = split_balanced(batch.prompt_len + batch.response_len, self.cfg.cluster.num_learners)
         refs = self._put_partitions(batch, parts, step)
@@ -163,6 +167,7 @@ class RolloutManager:
         stats = {
             "rollout/reward_mean": float(batch.rewards.mean()),
             "rollout/reward_std": float(batch.rewards.std()),
+            "rollout/solved_frac": float(np.mean(batch.rewards >= 1.0)),
             "rollout/response_len_mean": float(batch.response_len.mean()),
             "rollout/truncated_frac": float(np.mean([f != "stop" for f in batch.finish_reason])),
             "rollout/zero_std_groups": float(zero_std),

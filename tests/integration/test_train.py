@@ -8,6 +8,8 @@ Resume and Ctrl-C: tests/e2e/test_train.py; the reward rising: tests/e2e/test_le
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import subprocess
 import sys
@@ -92,7 +94,7 @@ def test_dropping_every_flat_group_skips_the_update_and_still_logs(tmp_path):
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, missing
         assert all(isinstance(r[k], float) and np.isfinite(r[k]) for k in REQUIRED), r
-        assert r["rollout/reward_mean"] == 0.0 and r["rollout/reward_std"] == 0.0
+        assert r["rollout/reward_mean"] == 0.0 and r["rollout/reward_std"] == 0.0 == r["rollout/solved_frac"]
         assert r["rollout/zero_std_groups"] == FLAT_PROMPTS, r
         assert r["train/optimizer_steps"] == 0, r
         assert r["train/loss"] == 0.0 and r["train/grad_norm"] == 0.0, r
@@ -123,9 +125,22 @@ def test_evaluation_scores_held_out_prompts_with_the_task_reward(tmp_path):
                  "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
                  "rollout.max_new_tokens=4", "num_steps=3", "checkpoint.every=0", "eval.every=2",
                  "eval.num_prompts=5", "eval.n_samples=2", "eval.greedy=true",
-                 f"output_dir={out}")
+                 "rollout.dump_every=2", f"output_dir={out}")
     rows = read_metrics(out)
+    # rollout.dump_every=2: step 1's samples (the second step's), as trained and scored
+    assert sorted(os.listdir(out / "rollouts")) == ["step_000001.jsonl"]
+    dumped = [json.loads(line) for line in (out / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert [d["sample_id"] for d in dumped] == [4, 5, 6, 7] and {d["step"] for d in dumped} == {1}
+    prompts = [d["prompt"] for d in dumped]  # two groups of two, from the training file
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and set(prompts) <= {"a:", "b:", "c:", "d:"}
+    for d in dumped:
+        assert d["reward"] == float(d["finished"]) and d["loss_mask"] == [1] * len(d["response_ids"])
+        assert len(d["logprobs"]) == len(d["response_ids"]) and all(lp <= 0 for lp in d["logprobs"])
+        assert d["scored_text"] == d["response"]  # single turn: the reward scores the answer
+    assert np.mean([d["reward"] for d in dumped]) == pytest.approx(rows[1]["rollout/reward_mean"])
     assert ["eval/reward_mean" in r for r in rows] == [False, True, True]  # after steps 2 and 3
+    # a reward of 0 or 1: every sample that earns one is solved
+    assert all(r["rollout/solved_frac"] == pytest.approx(r["rollout/reward_mean"]) for r in rows)
     for r in rows[1:]:
         assert r["eval/reward_mean"] == pytest.approx(1.0 - r["eval/truncated_frac"])
         assert r["eval/pass@2"] == pytest.approx(r["eval/reward_mean"])

@@ -5,12 +5,14 @@ token by token (tool tokens out of the loss), against a scripted engine pool."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
 
 from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch
+from rl.rollout.dump import dump_path, dump_samples
 from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load, score
 from rl.tasks import Prompt
 from rl.tasks.builtin import CalculatorTask, calculator, calculator_transcript, parse_calculator_transcript
@@ -45,6 +47,10 @@ def _ctx(pool, tokenizer=None, n: int = 1, max_new_tokens: int = 16) -> RolloutC
 
 
 def test_calculator_sample_masks_the_tool_result_token_by_token(tiny_path):
+    _calculator_sample_checked(tiny_path)
+
+
+def _calculator_sample_checked(tiny_path):
     """``12+34:``: the model calls ``12+34=`` (6 tokens, trained), the environment appends
     ``46`` (2 tokens: loss mask 0, log-prob 0), the model answers ``46<eos>`` (3 tokens,
     trained); the reward scores the transcript, and the batch carries the mask as is."""
@@ -84,6 +90,23 @@ def test_calculator_sample_masks_the_tool_result_token_by_token(tiny_path):
     assert batch.tokens[0].tolist() == prompt_ids + s.response_ids
     assert batch.rewards.tolist() == [1.0] and batch.num_loss_tokens == 9
     assert batch.weight_version.tolist() == [3]
+    return tok, prompt, s, batch  # for the dump test
+
+
+def test_a_dumped_sample_reads_back_as_trained(tiny_path, tmp_path):
+    """``rollout.dump_every``'s file: the calculator sample above, its text, ids, mask,
+    log-probs and reward as the batch holds them."""
+    tok, prompt, s, batch = _calculator_sample_checked(tiny_path)
+    path = dump_path(str(tmp_path), 7)
+    dump_samples(path, 7, [prompt], [[s]], batch, tok)
+    assert path == str(tmp_path / "rollouts" / "step_000007.jsonl")
+    [d] = [json.loads(line) for line in open(path)]
+    assert (d["step"], d["sample_id"], d["prompt"], d["label"]) == (7, 0, "12+34:", "12+34")
+    assert d["response"] == "12+34=4646" and d["scored_text"] == "12+34=46 46"  # ids; the transcript
+    assert (d["reward"], d["finished"], d["weight_version"]) == (1.0, True, 3)
+    assert (d["response_ids"], d["loss_mask"]) == (s.response_ids, s.loss_mask)
+    assert d["logprobs"] == pytest.approx(s.logprobs) and d["prompt_ids"] == s.prompt_ids
+    assert not (tmp_path / "rollouts" / "step_000007.jsonl.tmp").exists()
 
 
 def test_calculator_without_a_call_and_out_of_room(tiny_path):
