@@ -5,6 +5,7 @@ rollout (the clip works, and the reward still rises)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 
 from tests.support.runs import read_metrics, train, train_async
 
-pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
+pytestmark = pytest.mark.usefixtures("shared_ray")
+CALCULATOR = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool", "rollout.max_new_tokens=16")  # the runs connect to one `ray start --head`
 
 
 @pytest.mark.slow
@@ -70,12 +72,14 @@ def test_four_steps_per_rollout_clip_and_still_learn(tmp_path):
 def test_reward_rises_on_the_multi_turn_calculator_task(tmp_path):
     """``task=calculator`` through its tool loop (``rl.rollout.functions:calculator_tool``):
     from a random model to well-formed calls with copied operands and answers copied from the
-    tool's result (docs/rollout.md shows 500 steps). The loss mask, token by token:
-    tests/unit/test_rollout_functions.py."""
+    tool's result (docs/rollout.md shows 500 steps). The last step's samples, as trained
+    (``rollout.dump_every``), token by token: the tool's result is exactly what the
+    environment appended, out of the loss; the model's tokens are in it, with the engine's
+    log-probs; the reward is the task's on the transcript."""
     t0 = time.monotonic()
-    train("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
-          "rollout.max_new_tokens=16", "logger=console", "checkpoint.every=0", "eval.every=125",
-          "num_steps=250", f"output_dir={tmp_path}", timeout=900)
+    steps = 250
+    train(*CALCULATOR, "logger=console", "checkpoint.every=0", f"eval.every={steps // 2}",
+          f"num_steps={steps}", f"rollout.dump_every={steps}", f"output_dir={tmp_path}", timeout=900)
     rows = read_metrics(tmp_path)
     rewards = [r["rollout/reward_mean"] for r in rows]
     evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
@@ -83,8 +87,46 @@ def test_reward_rises_on_the_multi_turn_calculator_task(tmp_path):
     assert np.mean(rewards[:10]) < 0.02
     assert np.mean(rewards[-20:]) > 0.15, rewards[-20:]
     assert len(evals) == 2 and evals[1] > 0.15, evals  # the held-out prompts, through the tool loop
+    last = _check_calculator_samples(tmp_path / "rollouts" / f"step_{steps - 1:06d}.jsonl")
+    assert last["calls"] > 0.5, last  # most samples of the last step call the tool
     print(f"calculator: {len(rows)} steps in {time.monotonic() - t0:.0f}s, reward "
-          f"{np.mean(rewards[-20:]):.3f} over the last 20, eval {evals}")
+          f"{np.mean(rewards[-20:]):.3f} over the last 20, eval {evals}, last step {last}")
+
+
+def _check_calculator_samples(path) -> dict[str, float]:
+    """Every dumped calculator sample, token by token; of all samples, the fraction that
+    called the tool, and of the calls' operands, the fraction copied right; of the answers
+    after a call, the fraction that copied the tool's result."""
+    from rl.model import load_tokenizer, resolve_model_path
+    from rl.tasks.builtin import CALCULATOR_CALL_END, CalculatorTask, calculator, parse_calculator_transcript
+    from tests.support.env import compose
+
+    cfg = compose(*CALCULATOR)
+    tok, task = load_tokenizer(resolve_model_path(cfg.model)), CalculatorTask()
+    samples = [json.loads(line) for line in open(path)]
+    assert len(samples) == cfg.rollout.batch_size
+    calls, operands, answers = 0, [], []
+    for d in samples:
+        ids, mask, logps = d["response_ids"], d["loss_mask"], d["logprobs"]
+        assert len(ids) == len(mask) == len(logps) <= 16
+        assert d["reward"] == pytest.approx(task.reward(d["scored_text"], d["label"], d["finished"]))
+        assert all((lp == 0.0) == (m == 0) for m, lp in zip(mask, logps)), d  # the engine's, on model tokens
+        if 0 not in mask:  # no call: every token the model's
+            assert CALCULATOR_CALL_END not in tok.decode(ids, skip_special_tokens=True) or not d["finished"], d
+            continue
+        calls += 1
+        first, n_env = mask.index(0), mask.count(0)
+        assert mask == [1] * first + [0] * n_env + [1] * (len(mask) - first - n_env), d  # call, result, answer
+        call = tok.decode(ids[:first], skip_special_tokens=True)  # as the engine gave it to the tool
+        assert call.endswith(CALCULATOR_CALL_END), d  # the call's stop string, sampled and trained
+        result = tok.decode(ids[first:first + n_env])
+        assert result == calculator(call[:-1])[:len(result)], d  # what the tool returned (cut if no room)
+        [(expr, _)], answer = parse_calculator_transcript(d["scored_text"])
+        operands += [x == y for x, y in zip(expr.split("+"), d["label"].split("+"))] if "+" in expr else [False, False]
+        if d["finished"]:
+            answers.append(answer.strip() == result)
+    return {"calls": calls / len(samples), "operands_right": float(np.mean(operands or [0.0])),
+            "answer_copied": float(np.mean(answers or [0.0]))}
 
 
 @pytest.mark.slow
