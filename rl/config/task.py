@@ -78,9 +78,9 @@ class AdditionTaskConfig(TaskConfig):
 @dataclass(kw_only=True)
 class CalculatorTaskConfig(TaskConfig):
     name: str = "calculator"
-    max_value: int = 9
-    """Largest operand of the sum (9: one digit each, what the tiny model learns on CPU;
-    docs/rollout.md)."""
+    max_value: int = 4
+    """Largest operand of the sum (4: sums of one digit, which the tiny model learns to call
+    for and answer on CPU in about 200 steps; docs/rollout.md)."""
 
     def __post_init__(self) -> None:
         positive(self, "max_value")

@@ -121,7 +121,8 @@ async def single_turn(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[int]
 
 async def calculator_tool(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[int]) -> list[Sample]:
     """Multi-turn tool use (``task=calculator``): the model writes a call, text ending in
-    ``=`` (a stop string), e.g. ``12+34=``; the environment appends the tool's result (``46``,
+    ``=`` (a stop string), e.g. ``12+34=``; the environment appends the tool's result and a space
+    (``46 ``,
     loss mask 0); the model goes on, and its last turn is the answer. The
     reward scores the transcript, calls and answer (``calculator_transcript``: ``12+34=46 46``).
     ``rollout.max_new_tokens`` bounds the whole response (model and tool tokens); a sample out
@@ -148,7 +149,7 @@ async def _calculator_sample(ctx: RolloutContext, prompt_ids: list[int]) -> Samp
             return Sample(prompt_ids, ids, mask, logps, turn.finished, metas,
                           calculator_transcript(calls, turn.text))
         calls.append((turn.text, calculator(turn.text)))
-        result = ctx.tokenizer.encode(calls[-1][1], add_special_tokens=False)
+        result = ctx.tokenizer.encode(calls[-1][1] + " ", add_special_tokens=False)
         result = result[:budget - len(ids)]
         ids += result
         mask += [0] * len(result)

@@ -98,7 +98,7 @@ class AdditionTask(_StreamTask):
 
 
 CALCULATOR_CALL_END = "="
-"""Ends a calculator call: the model writes ``12+34=`` and the environment appends ``46``."""
+"""Ends a calculator call: the model writes ``12+34=`` and the environment appends ``46 ``."""
 CALCULATOR_MAX_CALLS = 1
 """Tool calls a calculator sample may make; the turn after the last one gets no stop string."""
 _CALL = re.compile(r"^\s*(-?\d+)\s*([+*-])\s*(-?\d+)\s*$")
@@ -134,7 +134,7 @@ def parse_calculator_transcript(text: str) -> tuple[list[tuple[str, str]], str]:
 
 class CalculatorTask(_StreamTask):
     """Tool use: ``12+34:`` -> the model calls the calculator (``12+34=``), reads its result
-    (``46``, appended by the environment: ``rl.rollout.functions.calculator_tool``) and
+    (``46`` and a space, appended by the environment: ``rl.rollout.functions.calculator_tool``) and
     answers ``46``. The label is the call, ``12+34``. The reward scores the transcript
     (``calculator_transcript``), 0 without an end-of-sequence token or without a call: a call
     the calculator reads earns 0.2 and 0.15 for each right operand (one it cannot read, a
@@ -142,7 +142,7 @@ class CalculatorTask(_StreamTask):
     the call's result was the sum. 1 for the right call and answer; the partial credit is what
     lets a model that has never seen a call learn to make one (docs/rollout.md)."""
 
-    def __init__(self, max_value: int = 9, seed: int = 0) -> None:
+    def __init__(self, max_value: int = 4, seed: int = 0) -> None:
         super().__init__(seed)
         self.max_value = max_value
 

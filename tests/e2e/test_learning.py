@@ -71,8 +71,8 @@ def test_four_steps_per_rollout_clip_and_still_learn(tmp_path):
 @pytest.mark.slow
 def test_reward_rises_on_the_multi_turn_calculator_task(tmp_path):
     """``task=calculator`` through its tool loop (``rl.rollout.functions:calculator_tool``):
-    from a random model to well-formed calls with copied operands and answers copied from the
-    tool's result (docs/rollout.md shows 500 steps). The last step's samples, as trained
+    from a random model to calls with copied operands and right answers copied from the tool's
+    result (docs/rollout.md's curve). The last step's samples, as trained
     (``rollout.dump_every``), token by token: the tool's result is exactly what the
     environment appended, out of the loss; the model's tokens are in it, with the engine's
     log-probs; the reward is the task's on the transcript."""
@@ -82,13 +82,19 @@ def test_reward_rises_on_the_multi_turn_calculator_task(tmp_path):
           f"num_steps={steps}", f"rollout.dump_every={steps}", f"output_dir={tmp_path}", timeout=900)
     rows = read_metrics(tmp_path)
     rewards = [r["rollout/reward_mean"] for r in rows]
-    evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
-    # measured: 0.000 over steps 1-10, 0.24-0.26 over steps 231-250 (docs/rollout.md's run)
-    assert np.mean(rewards[:10]) < 0.02
-    assert np.mean(rewards[-20:]) > 0.15, rewards[-20:]
-    assert len(evals) == 2 and evals[1] > 0.15, evals  # the held-out prompts, through the tool loop
+    solved = [r["rollout/solved_frac"] for r in rows]
+    evals = [{k: r[k] for k in ("eval/reward_mean", "eval/pass@4")} for r in rows if "eval/reward_mean" in r]
+    # measured in three runs, over steps 231-250: reward 0.58, 0.79 and 0.79, right answers
+    # (reward 1) 0.29 and 0.59 of the samples (two runs); held-out pass@4 after step 250: 0.34,
+    # 0.59 and 0.59
+    assert np.mean(rewards[:10]) < 0.02 and max(solved[:10]) == 0.0
+    assert np.mean(rewards[-20:]) > 0.4, rewards[-20:]
+    assert np.mean(solved[-20:]) > 0.1, solved[-20:]  # right answers, not only calls
+    assert len(evals) == 2 and evals[1]["eval/pass@4"] > 0.1, evals  # held-out, through the tool loop
     last = _check_calculator_samples(tmp_path / "rollouts" / f"step_{steps - 1:06d}.jsonl")
-    assert last["calls"] > 0.5, last  # most samples of the last step call the tool
+    # measured at step 250: calls 1.00 (both runs), operands 0.87 and 1.00 right, answers 0.67
+    # and 0.73 copied from the tool
+    assert last["calls"] > 0.9 and last["operands_right"] > 0.5 and last["answer_copied"] > 0.3, last
     print(f"calculator: {len(rows)} steps in {time.monotonic() - t0:.0f}s, reward "
           f"{np.mean(rewards[-20:]):.3f} over the last 20, eval {evals}, last step {last}")
 
@@ -120,11 +126,11 @@ def _check_calculator_samples(path) -> dict[str, float]:
         call = tok.decode(ids[:first], skip_special_tokens=True)  # as the engine gave it to the tool
         assert call.endswith(CALCULATOR_CALL_END), d  # the call's stop string, sampled and trained
         result = tok.decode(ids[first:first + n_env])
-        assert result == calculator(call[:-1])[:len(result)], d  # what the tool returned (cut if no room)
+        assert result == (calculator(call[:-1]) + " ")[:len(result)], d  # the tool's (cut if no room)
         [(expr, _)], answer = parse_calculator_transcript(d["scored_text"])
         operands += [x == y for x, y in zip(expr.split("+"), d["label"].split("+"))] if "+" in expr else [False, False]
         if d["finished"]:
-            answers.append(answer.strip() == result)
+            answers.append(answer.strip() == result.strip())
     return {"calls": calls / len(samples), "operands_right": float(np.mean(operands or [0.0])),
             "answer_copied": float(np.mean(answers or [0.0]))}
 

@@ -52,7 +52,7 @@ def test_calculator_sample_masks_the_tool_result_token_by_token(tiny_path):
 
 def _calculator_sample_checked(tiny_path):
     """``12+34:``: the model calls ``12+34=`` (6 tokens, trained), the environment appends
-    ``46`` (2 tokens: loss mask 0, log-prob 0), the model answers ``46<eos>`` (3 tokens,
+    ``46 `` (3 tokens: loss mask 0, log-prob 0), the model answers ``46<eos>`` (3 tokens,
     trained); the reward scores the transcript, and the batch carries the mask as is."""
     tok = load_tokenizer(tiny_path)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -66,21 +66,21 @@ def _calculator_sample_checked(tiny_path):
                          max_new_tokens=16)
     [s] = asyncio.run(fn.group(_ctx(pool, tok), prompt, prompt_ids))
 
-    call, result, answer = enc("12+34="), enc("46"), enc("46") + [eos]
-    assert (len(call), len(result), len(answer)) == (6, 2, 3)
+    call, result, answer = enc("12+34="), enc("46 "), enc("46") + [eos]
+    assert (len(call), len(result), len(answer)) == (6, 3, 3)
     assert s.prompt_ids == prompt_ids
     assert s.response_ids == call + result + answer
-    assert s.loss_mask == [1] * 6 + [0] * 2 + [1] * 3
+    assert s.loss_mask == [1] * 6 + [0] * 3 + [1] * 3
     for j, (m, lp) in enumerate(zip(s.loss_mask, s.logprobs)):
         assert (lp == 0.0) == (m == 0), (j, m, lp)  # the engine's log-probs on model tokens only
     assert s.logprobs[:6] == pytest.approx([-0.1 * (k + 1) for k in range(6)])
-    assert s.logprobs[8:] == pytest.approx([-0.1, -0.2, -0.3])
+    assert s.logprobs[9:] == pytest.approx([-0.1, -0.2, -0.3])
     assert s.finished and s.text == "12+34=46 46" and len(s.meta_info) == 2  # the transcript
     # the second turn continues the whole context, with the budget that is left and no stop
     first, second = pool.payloads
     assert first["sampling_params"]["stop"] == ["="] and first["input_ids"] == prompt_ids
     assert second["input_ids"] == prompt_ids + call + result
-    assert second["sampling_params"]["max_new_tokens"] == 16 - 8
+    assert second["sampling_params"]["max_new_tokens"] == 16 - 9
     assert second["sampling_params"]["stop"] == []  # one call (CALCULATOR_MAX_CALLS), then the answer
 
     task = CalculatorTask()
@@ -102,7 +102,7 @@ def test_a_dumped_sample_reads_back_as_trained(tiny_path, tmp_path):
     assert path == str(tmp_path / "rollouts" / "step_000007.jsonl")
     [d] = [json.loads(line) for line in open(path)]
     assert (d["step"], d["sample_id"], d["prompt"], d["label"]) == (7, 0, "12+34:", "12+34")
-    assert d["response"] == "12+34=4646" and d["scored_text"] == "12+34=46 46"  # ids; the transcript
+    assert d["response"] == d["scored_text"] == "12+34=46 46"  # the ids decoded; the transcript
     assert (d["reward"], d["finished"], d["weight_version"]) == (1.0, True, 3)
     assert (d["response_ids"], d["loss_mask"]) == (s.response_ids, s.loss_mask)
     assert d["logprobs"] == pytest.approx(s.logprobs) and d["prompt_ids"] == s.prompt_ids
@@ -258,4 +258,4 @@ def test_rollout_function_config():
         compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool")
     cfg = compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
                   "rollout.max_new_tokens=16")
-    assert (cfg.task.name, cfg.task.max_value) == ("calculator", 9)
+    assert (cfg.task.name, cfg.task.max_value) == ("calculator", 4)
