@@ -1,4 +1,4 @@
-"""Plot a run's reward curve, its held-out evaluation (when the run logged one) and reward
+"""Plot a run's reward curve, its evaluation (when the run logged one) and reward
 against time, from its metrics.jsonl.
 
     python scripts/plot_metrics.py outputs/<date>/<time>/metrics.jsonl docs/reward_curve.png
@@ -33,12 +33,12 @@ def main() -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     ax1.plot(steps, reward, lw=1.2, label="training batches")
     evals = [(s, r) for s, r in zip(steps, rows) if "eval/reward_mean" in r]
-    if evals:  # held-out prompts (eval.every), after the step's weight sync
+    if evals:  # the evaluation prompts (eval.every), after the step's weight sync
         pass_key = next(k for k in evals[0][1] if k.startswith("eval/pass@"))
         ax1.plot([s for s, _ in evals], [r["eval/reward_mean"] for _, r in evals], "o-", ms=3,
-                 lw=1.2, color="tab:orange", label="held-out eval")
+                 lw=1.2, color="tab:orange", label="eval")
         ax1.plot([s for s, _ in evals], [r[pass_key] for _, r in evals], "s--", ms=3, lw=1,
-                 color="tab:red", label=f"held-out {pass_key.removeprefix('eval/')}")
+                 color="tab:red", label=f"eval {pass_key.removeprefix('eval/')}")
         ax1.legend(loc="lower right", fontsize=8)
     ax1.set(xlabel="step", ylabel="mean reward", ylim=(-0.02, 1.02), title="reward per step")
     ax1.grid(alpha=0.3)

@@ -1,4 +1,4 @@
-"""``eval``: evaluation on held-out prompts during training (a plain field of the root
+"""``eval``: evaluation on a fixed set of prompts during training (a plain field of the root
 config, not a group: there is one kind)."""
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ class EvalConfig:
     path: Optional[str] = None
     """A JSONL file of held-out ``{"prompt": ..., "label": ...}`` lines, scored by the task's
     reward; unset = the task's own prompt stream under another seed (a built-in task draws
-    fresh prompts; a JSONL task draws from its own file, so set this to hold prompts out)."""
+    prompts of the kind it trains on, not held out: the small built-in tasks have few
+    prompts, which training sees too, and a JSONL task draws from its own file; set this to
+    hold prompts out)."""
     seed_offset: int = 1_000_003
-    """Added to ``task.seed`` for the held-out stream when ``path`` is unset."""
+    """Added to ``task.seed`` for the evaluation's stream when ``path`` is unset."""
 
     def __post_init__(self) -> None:
         if self.every < 0:

@@ -75,7 +75,7 @@ class RolloutHandle:
             self._ray.get(self.actor.resume.remote())
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out evaluation's metrics (``RolloutManager.evaluate``)."""
+        """The evaluation's metrics (``RolloutManager.evaluate``)."""
         return self._ray.get(self.actor.evaluate.remote(), timeout=self.timeout_s)
 
     # fully async: a stream of batches (see rl.rollout.stream.Stream)

@@ -1,7 +1,10 @@
 """``rollout.dump_every``: a step's samples as JSON lines, to read what the policy wrote and
 how it was scored and masked (slime's ``--save-debug-rollout-data``, verl's
-``rollout_data_dir``). One file per dumped step, ``<output_dir>/rollouts/step_<step>.jsonl``
-(``step`` as in ``metrics.jsonl``), one line per sample in the batch's order."""
+``rollout_data_dir``). One file per dumped batch, ``<output_dir>/rollouts/step_<step>.jsonl``,
+one line per sample in the batch's order. ``step`` is the batch's number: the step of
+``metrics.jsonl`` in ``train.py`` and one-step ``train_async.py``; in fully async, the
+ledger's ``batch`` (``samples.jsonl``: its ``trained_at_step`` is the step, and samples
+dropped as too stale are dumped as generated, though never trained)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ def dump_path(output_dir: str, step: int) -> str:
 def dump_samples(path: str, step: int, prompts: list[Prompt], groups: list[list[Sample]],
                  batch: RolloutBatch, tokenizer) -> None:
     """Write ``batch``'s samples (built from ``prompts`` and ``groups``, in order): the
-    prompt, the response as text and as token ids, the loss mask, the engine's log-probs,
+    prompt, the response as text and as token ids, the loss mask as the batch holds it (a
+    dropped zero-std group's is all 0), the engine's log-probs,
     what the reward scored, the reward and advantage, and the sample's id and weight version."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
@@ -36,7 +40,7 @@ def dump_samples(path: str, step: int, prompts: list[Prompt], groups: list[list[
                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i]),
                     "finished": s.finished, "weight_version": int(batch.weight_version[i]),
                     "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
-                    "loss_mask": list(s.loss_mask), "logprobs": [round(x, 6) for x in s.logprobs],
+                    "loss_mask": batch.loss_mask[i].tolist(), "logprobs": [round(x, 6) for x in s.logprobs],
                 }) + "\n")
                 i += 1
     os.replace(tmp, path)  # a reader never sees half a file

@@ -82,6 +82,14 @@ def score(sample: Sample, prompt: Prompt, reward: Callable[[str, str, bool], flo
     return float(reward(sample.text, prompt.label, sample.finished))
 
 
+def _finite(x) -> bool:
+    """A number (Python, numpy or a one-element tensor) that is finite."""
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
 def finished(answer: dict) -> bool:
     """Whether an SGLang answer stopped by itself (EOS, a stop token or a stop string)."""
     return answer["meta_info"]["finish_reason"]["type"] == "stop"
@@ -225,7 +233,7 @@ class RolloutFunction:
                 return f"sample {i} with a loss mask other than 0 and 1"
             if any(lp != 0.0 for m, lp in zip(s.loss_mask, s.logprobs) if m == 0):
                 return f"sample {i} with a log-prob other than 0.0 on a masked token"
-            if s.reward is not None and not (isinstance(s.reward, (int, float)) and math.isfinite(s.reward)):
+            if s.reward is not None and not _finite(s.reward):
                 return f"sample {i} with reward={s.reward!r}; a finite number, or None for the task's reward"
             if not s.meta_info:
                 return f"sample {i} without meta_info (one SGLang meta_info per model turn)"

@@ -156,10 +156,10 @@ class RolloutManager:
         rc = self.cfg.rollout
         with self._lock:
             batch = self._build_batch(prompts, groups)
-        if rc.dump_every and (step + 1) % rc.dump_every == 0:
+        zero_std = zero_std_groups(batch, rc.n_samples_per_prompt, drop=self.cfg.algo.drop_zero_std_groups)
+        if rc.dump_every and (step + 1) % rc.dump_every == 0:  # the masks as trained
             dump_samples(dump_path(self.runtime.output_dir, step), step, prompts, groups, batch,
                          self.tokenizer)
-        zero_std = zero_std_groups(batch, rc.n_samples_per_prompt, drop=self.cfg.algo.drop_zero_std_groups)
         parts = split_balanced(batch.prompt_len + batch.response_len, self.cfg.cluster.num_learners)
         refs = self._put_partitions(batch, parts, step)
         put_ms = [r.timings_ms.get("put_ms", 0.0) for r in refs]
@@ -216,7 +216,7 @@ class RolloutManager:
 
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Answer the held-out prompts (``eval``) with the engines' current weights through the
+        """Answer the evaluation prompts (``eval``) with the engines' current weights through the
         rollout function (``rollout.function``, with ``eval.n_samples`` samples a prompt and
         the eval sampling) and score them with the task's reward: ``eval/reward_mean``,
         ``eval/pass@<n>`` (prompts with an answer of full reward), ``eval/response_len_mean``,

@@ -25,9 +25,14 @@ def test_reward_rises_on_the_default_task(overrides, tmp_path):
     and with bfloat16 engines and compute over float32 master weights (mixed precision)."""
     t0 = time.monotonic()
     train("logger=console", f"output_dir={tmp_path}", *overrides, timeout=900, own_ray=True)
-    rewards = [r["rollout/reward_mean"] for r in read_metrics(tmp_path)]
+    rows = read_metrics(tmp_path)
+    rewards = [r["rollout/reward_mean"] for r in rows]
     assert np.mean(rewards[:5]) < 0.1
     assert np.mean(rewards[-10:]) > 0.9, rewards[-20:]
+    # the evaluation (eval.every=20 by default) follows: measured 0.008 after step 20, 0.990 after 200
+    evals = {r["step"]: r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r}
+    assert sorted(evals) == list(range(19, 200, 20)), evals
+    assert evals[19] < 0.2 and evals[199] > 0.8, evals
     print(f"default job {overrides}: {len(rewards)} steps in {time.monotonic() - t0:.0f}s, "
           f"final reward {np.mean(rewards[-10:]):.3f}")
 
@@ -85,12 +90,12 @@ def test_reward_rises_on_the_multi_turn_calculator_task(tmp_path):
     solved = [r["rollout/solved_frac"] for r in rows]
     evals = [{k: r[k] for k in ("eval/reward_mean", "eval/pass@4")} for r in rows if "eval/reward_mean" in r]
     # measured in three runs, over steps 231-250: reward 0.58, 0.79 and 0.79, right answers
-    # (reward 1) 0.29 and 0.59 of the samples (two runs); held-out pass@4 after step 250: 0.34,
+    # (reward 1) 0.29 and 0.59 of the samples (two runs); the evaluation's pass@4 after step 250: 0.34,
     # 0.59 and 0.59
     assert np.mean(rewards[:10]) < 0.02 and max(solved[:10]) == 0.0
     assert np.mean(rewards[-20:]) > 0.4, rewards[-20:]
-    assert np.mean(solved[-20:]) > 0.1, solved[-20:]  # right answers, not only calls
-    assert len(evals) == 2 and evals[1]["eval/pass@4"] > 0.1, evals  # held-out, through the tool loop
+    assert np.mean(solved[-20:]) > 0.15, solved[-20:]  # right answers, not only calls
+    assert len(evals) == 2 and evals[1]["eval/pass@4"] > 0.15, evals  # the evaluation, through the tool loop
     last = _check_calculator_samples(tmp_path / "rollouts" / f"step_{steps - 1:06d}.jsonl")
     # measured at step 250: calls 1.00 (both runs), operands 0.87 and 1.00 right, answers 0.67
     # and 0.73 copied from the tool
@@ -138,7 +143,7 @@ def _check_calculator_samples(path) -> dict[str, float]:
 @pytest.mark.slow
 def test_a_trained_policy_exported_to_hugging_face_serves_and_trains_as_model_hf(tmp_path):
     """``checkpoint.save_hf=true`` on the default job, then ``model=hf model.path=<export>``:
-    the engines serve the trained policy (its held-out greedy reward, not a random model's)
+    the engines serve the trained policy (its greedy evaluation reward, not a random model's)
     and the learners train on it. The second run takes one step at a learning rate too small
     to move a greedy answer, so its evaluation after the step is the export's own."""
     first, second = tmp_path / "trained", tmp_path / "from_export"

@@ -197,7 +197,7 @@ async def nan_reward(ctx, prompt, prompt_ids):
 def test_a_sample_scored_by_its_function_keeps_its_reward():
     """``Sample.reward`` set: the manager's batch and evaluation take it as it is; unset: the
     task's reward scores the text."""
-    own = Sample([1], [2], [1], [-0.5], True, [{}], "wrong", reward=0.75)
+    own = Sample([1], [2], [1], [-0.5], True, [{}], "wrong", reward=np.float32(0.75))  # numpy's too
     plain = Sample([1], [3], [1], [-0.5], True, [{}], "right")
     task_reward = lambda text, label, finished: float(text == label)  # noqa: E731
     prompt = Prompt(text="q", label="right", index=0)
