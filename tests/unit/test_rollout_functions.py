@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rl.model import load_tokenizer
-from rl.rollout.batch import build_batch
+from rl.rollout.batch import build_batch, zero_std_groups
 from rl.rollout.dump import dump_path, dump_samples
 from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load, score
 from rl.tasks import Prompt
@@ -107,6 +107,12 @@ def test_a_dumped_sample_reads_back_as_trained(tiny_path, tmp_path):
     assert (d["response_ids"], d["loss_mask"]) == (s.response_ids, s.loss_mask)
     assert d["logprobs"] == pytest.approx(s.logprobs) and d["prompt_ids"] == s.prompt_ids
     assert not (tmp_path / "rollouts" / "step_000007.jsonl.tmp").exists()
+    # a group algo.drop_zero_std_groups takes out of the loss is dumped with its masks as trained
+    flat = build_batch([prompt], [[s, s]], CalculatorTask().reward, group_size=2, std_norm=True,
+                       first_sample_id=0)
+    assert zero_std_groups(flat, 2, drop=True) == 1
+    dump_samples(path, 7, [prompt], [[s, s]], flat, tok)
+    assert [json.loads(line)["loss_mask"] for line in open(path)] == [[0] * len(s.response_ids)] * 2
 
 
 def test_calculator_without_a_call_and_out_of_room(tiny_path):
