@@ -13,11 +13,18 @@ function: one request with the default) is **admitted** only when
   when a group starts, not by throwing its samples away once generated.
 
 Admitted groups run concurrently on the engines (each request to the least-loaded live
-engine); every ``prompts_per_step`` groups that finish form a batch, in the order they
-finish, so the slowest answers of a batch no longer hold the engines idle. A group that
-finishes later than the groups admitted after it lands in a later batch than admission
-assumed; if that makes it too stale, ``next_batch`` still drops its samples (the safety net,
-counted in ``async/dropped_samples``).
+engine), and batches are formed from the groups that have finished, so the slowest answers
+of a batch no longer hold the engines idle. A group admitted under version ``V`` has a
+**deadline**, ``V + max_staleness``: the last batch that may train it. Batch ``b`` takes the
+``prompts_per_step`` finished groups of earliest deadline (in the order they finished among
+equals), and is formed only when every group left, running or finished, can still be placed
+before its deadline (for every deadline ``d``, at most ``(d - b) * prompts_per_step`` of
+them have a deadline up to ``d``); otherwise it waits for the running groups it must hold.
+So a group overtaken by those admitted after it is waited for by the batch of its deadline,
+not dropped. Admission keeps that possible: at most ``(d + 1) * prompts_per_step`` groups
+ever have a deadline up to ``d``. ``next_batch`` still drops samples older than the bound
+(the safety net, counted in ``async/dropped_samples``): a rollout function may return
+samples of older weights than those it started under (a cache of answers, say).
 
 The driver takes batches with ``next_batch`` and calls ``release`` after the weight sync
 that follows a batch's training step: the version moves on and the batch's place in the
@@ -43,6 +50,23 @@ OUTCOMES = ("trained", "stale", "end_of_run", "interrupted")
 """What became of a stored sample (``samples.jsonl``): trained at a step; dropped as older than
 ``algo.max_staleness``; still queued when the run ended; or in the batch being trained when
 the run was stopped (Ctrl-C or an error), its step not finished."""
+
+
+def batch_groups(step: int, finished: list[int], running: list[int], per_batch: int) -> list[int]:
+    """Which finished groups form batch ``step``, given the deadlines of the groups finished
+    (in the order they finished) and of those still running: the ``per_batch`` of earliest
+    deadline, or none (wait) while a group left could then miss its deadline and a running
+    one could still change that (see the module docstring). With none running, the batch is
+    formed regardless: waiting could not help, and the safety net drops what is too old."""
+    if len(finished) < per_batch:
+        return []
+    order = sorted(range(len(finished)), key=lambda i: finished[i])  # stable: first finished first
+    take = order[:per_batch]
+    if running:
+        left = sorted([finished[i] for i in order[per_batch:]] + running)
+        if any(k + 1 > (d - step) * per_batch for k, d in enumerate(left)):
+            return []
+    return sorted(take)
 
 
 class Stream:
@@ -109,21 +133,25 @@ class Stream:
                         with self.cond:
                             self.open_prompts[prompt.index] = position
                             self.admitted += 1
+                        with self.cond:
+                            deadline = self.version + self.max_staleness
                         request = asyncio.ensure_future(m.rollout_fn.group(ctx, prompt, ids))
-                        pending[request] = (prompt, ids, time.time())
+                        pending[request] = (prompt, ids, time.time(), deadline)
                     if not pending:
                         await asyncio.sleep(0.05)  # waiting for a release to admit more
                         continue
                     done, _ = await asyncio.wait(pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
                     for request in done:
-                        prompt, ids, started = pending.pop(request)
+                        prompt, ids, started, deadline = pending.pop(request)
                         try:
-                            finished.append((prompt, ids, request.result(), started))
+                            finished.append((prompt, ids, request.result(), started, deadline))
                         except EngineError:
                             m.raise_if_all_down()
                             raise
-                    while len(finished) >= self.per_batch:
-                        groups, finished = finished[:self.per_batch], finished[self.per_batch:]
+                    while (take := batch_groups(step, [g[4] for g in finished],
+                                                [p[3] for p in pending.values()], self.per_batch)):
+                        groups = [finished[i] for i in take]
+                        finished = [g for i, g in enumerate(finished) if i not in take]
                         started = min(g[3] for g in groups)
                         ref = m.store_batch(step, [g[0] for g in groups], [g[2] for g in groups],
                                             started=started, gen_s=time.time() - started,

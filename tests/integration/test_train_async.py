@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.support.helpers import LATE_PROMPT, eval_task
+from tests.support.helpers import LATE_PROMPT, OLD_PROMPT, eval_task
 from tests.support.runs import (REQUIRED, assert_nothing_left, check_ledger, engine_ports, read_ledger,
                                 read_metrics, train_async)
 
@@ -67,33 +67,36 @@ def test_evaluation_runs_in_both_async_loops_and_leaves_training_data_alone(full
 
 
 @pytest.mark.parametrize("data_path", ["mooncake-packed"], indirect=True)
-def test_a_group_overtaken_past_the_staleness_bound_is_dropped_and_training_goes_on(tmp_path, data_path):
-    """Fully async, one group a batch, ``algo.max_staleness=1``: the first prompt's group is
-    answered by version 0 but finishes only when the fourth prompt's group starts, under
-    version 2 (``tests.support.helpers.late_first_group``, a rollout function as a user writes
-    one). Admission cannot foresee that, so the safety net acts: at step 2 (or 3, should the
-    fourth group finish first) its batch is too stale, dropped whole and its keys removed,
-    counted in ``async/dropped_samples``, recorded as ``stale`` in the ledger, and the same step
-    trains the next batch instead; every other sample is trained within the bound or queued at
-    the end, and no Mooncake key or process is left."""
+def test_an_overtaken_group_is_trained_within_its_bound_and_an_older_one_is_dropped(tmp_path, data_path):
+    """Fully async, one group a batch, ``algo.max_staleness=1``
+    (``tests.support.helpers.late_and_old_groups``, a rollout function as a user writes one):
+    the first prompt's group, admitted under version 0, finishes seconds after the groups
+    admitted after it; batch 1, its deadline, waits for it, so it is trained at step 1, not
+    dropped. The fifth prompt's group reports answers of version 0 whatever weights it ran
+    under, which no admission can foresee: the safety net drops its batch whole (keys
+    removed, ``async/dropped_samples``, ``stale`` in the ledger) and the same step trains the
+    next batch; every other sample is trained within the bound or queued at the end, and no
+    Mooncake key or process is left."""
     transfer, master = data_path
     proc = train_async(*transfer, "weights=broadcast", "rollout.fully_async=true",
-                       "rollout.function=tests.support.helpers:late_first_group",
+                       "rollout.function=tests.support.helpers:late_and_old_groups",
                        "rollout.prompts_per_step=1", f"rollout.n_samples_per_prompt={N}",
                        "rollout.max_new_tokens=8", "rollout.max_inflight_batches=2", "algo.max_staleness=1",
-                       "num_steps=4", "checkpoint.every=0", "eval.every=0", f"output_dir={tmp_path}")
+                       "num_steps=6", "checkpoint.every=0", "eval.every=0", f"output_dir={tmp_path}")
     rows, ledger = read_metrics(tmp_path), read_ledger(tmp_path)
     outcomes = check_ledger(ledger, rows, proc.stdout, max_staleness=1)  # stale ones: past the bound
-    assert outcomes["stale"] == N
     [late] = [e for e in ledger if LATE_PROMPT in e["prompts"]]
-    assert late == {**late, "prompts": [LATE_PROMPT], "weight_version": [0] * N, "outcome": ["stale"] * N,
-                    "trained_at_step": None}
+    assert late == {**late, "batch": 1, "weight_version": [0] * N, "outcome": ["trained"] * N,
+                    "trained_at_step": 1}
+    assert outcomes["stale"] == N
+    [old] = [e for e in ledger if OLD_PROMPT in e["prompts"]]
+    assert old == {**old, "weight_version": [0] * N, "outcome": ["stale"] * N, "trained_at_step": None}
     dropped = [r["async/dropped_samples"] for r in rows]
     at = dropped.index(N)
-    assert at in (2, 3) and dropped == [N if s == at else 0 for s in range(4)], dropped
-    assert [r["async/dropped_total"] for r in rows] == [N if s >= at else 0 for s in range(4)]
-    assert [r["train/samples"] for r in rows] == [N] * 4  # the dropping step trained the next batch
+    assert at >= 3 and dropped == [N if s == at else 0 for s in range(6)], dropped
+    assert [r["async/dropped_total"] for r in rows] == [N if s >= at else 0 for s in range(6)]
+    assert [r["train/samples"] for r in rows] == [N] * 6  # the dropping step trained the next batch
     assert all(r["async/staleness_max"] <= 1 for r in rows)
-    assert re.search(rf"step {at + 1}/4 \|.*dropped {N} ", proc.stdout), proc.stdout[-2000:]
+    assert re.search(rf"step {at + 1}/6 \|.*dropped {N} ", proc.stdout), proc.stdout[-2000:]
     assert master.keys() == []  # the dropped batch's too: next_batch alone removes those
     assert_nothing_left(engine_ports(proc.stdout))

@@ -47,25 +47,23 @@ def eval_task(tmp_path) -> tuple[str, ...]:
             f"eval.path={held_out}")
 
 
-LATE_PROMPT, LATE_UNTIL = 0, 3
-_started: set[int] = set()  # prompt indices whose group has started, in the manager's process
-_held: list[asyncio.Future] = []  # the late group, waiting for LATE_UNTIL's to start
+LATE_PROMPT, LATE_S = 0, 3.0
+OLD_PROMPT = 4
 
 
-async def late_first_group(ctx, prompt, prompt_ids):
-    """``rollout.function=tests.support.helpers:late_first_group``: ``single_turn``, except that
-    prompt ``LATE_PROMPT``'s group, answered at once by the weights it started under, finishes
-    only when prompt ``LATE_UNTIL``'s group starts (so, as a rule, before that one finishes): a
-    group overtaken by later ones, which fully async admission cannot bound
-    (rl/rollout/stream.py)."""
-    _started.add(prompt.index)
-    if prompt.index == LATE_UNTIL:
-        for held in _held:
-            if not held.done():
-                held.set_result(None)  # wakes the late group at once, not at a poll's next tick
+async def late_and_old_groups(ctx, prompt, prompt_ids):
+    """``rollout.function=tests.support.helpers:late_and_old_groups``: ``single_turn``, except
+    that prompt ``LATE_PROMPT``'s group, answered at once, finishes ``LATE_S`` seconds later
+    (overtaken by the groups admitted after it), and prompt ``OLD_PROMPT``'s group reports
+    the first weights (version 0) for its answers, as a function returning cached answers
+    would: the first is what fully async batch formation waits for, the second what only the
+    safety net can catch (rl/rollout/stream.py)."""
     samples = await single_turn(ctx, prompt, prompt_ids)
-    if prompt.index == LATE_PROMPT and LATE_UNTIL not in _started:
-        held = asyncio.get_running_loop().create_future()
-        _held.append(held)
-        await held
+    if prompt.index == LATE_PROMPT:
+        await asyncio.sleep(LATE_S)
+    if prompt.index == OLD_PROMPT:
+        for s in samples:
+            for meta in s.meta_info:
+                meta.pop("weight_versions", None)
+                meta["weight_version"] = "0"
     return samples
