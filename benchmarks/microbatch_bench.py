@@ -2,10 +2,11 @@
 against micro-batches by token budget (``algo.max_tokens_per_micro_batch``), on a batch of
 uneven lengths.
 
-Two ways to measure. Without ``--train``: the real ``Learner`` (FSDP2 over gloo) on ``--ranks`` spawned processes, no Ray and no
-engines: each step a synthetic rollout batch of ``--samples`` samples whose lengths (prompt +
-response) are uniform in ``--min-len``..``--max-len`` tokens, split over the ranks as the
-rollout manager splits it (``split_balanced``), and ``train_batch`` on each rank's partition.
+Two ways to measure. Without ``--train``: the real ``Learner`` (FSDP2 over gloo) on
+``--ranks`` spawned processes, no Ray and no engines: each step a synthetic rollout batch of
+``--samples`` samples whose lengths (prompt + response) are uniform in
+``--min-len``..``--max-len`` tokens, split over the ranks as the rollout manager splits it
+(``split_balanced``), and ``train_batch`` on each rank's partition.
 The modes take turns on the same batches, one step each in a rotating order, after one
 warm-up step each; the tiny model is widened to ``max_len`` positions. Times are the slowest
 rank's ``train_batch`` per step (what the step waits for), medians over the steps;
@@ -23,7 +24,8 @@ steps after ``--skip``; the reward over the last ten steps shows both runs learn
     python benchmarks/microbatch_bench.py                  # 8 samples a pass vs a 4096-token budget
     python benchmarks/microbatch_bench.py --out benchmarks/results/microbatch.json   # the tracked results
     python benchmarks/microbatch_bench.py --micro-batch-size 64 --budget 8192 -- algo.steps_per_rollout=2
-    python benchmarks/microbatch_bench.py --train --steps 40 -- task=repeat_count rollout.max_new_tokens=41 rollout.max_prompt_tokens=8
+    python benchmarks/microbatch_bench.py --train --steps 40 -- task=repeat_count \
+        rollout.max_new_tokens=41 rollout.max_prompt_tokens=8
 """
 
 from __future__ import annotations

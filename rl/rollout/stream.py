@@ -10,7 +10,8 @@ function: one request with the default) is **admitted** only when
 * it can be trained within ``algo.max_staleness`` versions: batch ``b`` is trained by the
   weights of version ``b``, so under version ``V`` at most ``(V + max_staleness + 1) *
   prompts_per_step`` groups may have started (AReaL's admission rule). Staleness is bounded
-  when a group starts, not by throwing its samples away once generated.
+  when a group starts, not by throwing its samples away once generated. A whole batch the
+  safety net drops (below) shifts this by one: the step trains the next batch instead.
 
 Admitted groups run concurrently on the engines (each request to the least-loaded live
 engine), and batches are formed from the groups that have finished, so the slowest answers
@@ -50,6 +51,21 @@ OUTCOMES = ("trained", "stale", "end_of_run", "interrupted")
 """What became of a stored sample (``samples.jsonl``): trained at a step; dropped as older than
 ``algo.max_staleness``; still queued when the run ended; or in the batch being trained when
 the run was stopped (Ctrl-C or an error), its step not finished."""
+
+
+def admission_limit(version: int, released: int, skipped: int, max_staleness: int,
+                    max_inflight: int) -> int:
+    """Batches' worth of groups that may have been admitted: within the store's
+    ``max_inflight`` batches beyond those ``released``, and trainable within
+    ``max_staleness`` versions of ``version``. ``skipped`` whole batches were dropped (each
+    moves every later batch one step ahead of the step that trains it, and gave back its
+    groups' places)."""
+    return min(released + max_inflight, version + max_staleness + 1 + skipped)
+
+
+def deadline(version: int, skipped: int, max_staleness: int) -> int:
+    """The last batch (by the stream's count) that may train a group admitted now."""
+    return version + max_staleness + skipped
 
 
 def batch_groups(step: int, finished: list[int], running: list[int], per_batch: int) -> list[int]:
@@ -98,6 +114,8 @@ class Stream:
         self.done_prompts: set[int] = set()
         """Prompts handed out (trained or dropped) ahead of the oldest open one."""
         self.dropped_total = 0
+        self.skipped = 0
+        """Whole batches dropped by the safety net (``admission_limit``, ``deadline``)."""
         self.thread = threading.Thread(target=self._produce, args=(first_step,),
                                        name="rollout-stream", daemon=True)
         self.thread.start()
@@ -105,7 +123,8 @@ class Stream:
     # -- the generation thread ---------------------------------------------------------
     def may_admit(self) -> bool:
         with self.cond:
-            limit = min(self.released + self.max_inflight, self.version + self.max_staleness + 1)
+            limit = admission_limit(self.version, self.released, self.skipped, self.max_staleness,
+                                    self.max_inflight)
             return self.admitted < limit * self.per_batch
 
     def _produce(self, step: int) -> None:
@@ -134,17 +153,17 @@ class Stream:
                             self.open_prompts[prompt.index] = position
                             self.admitted += 1
                         with self.cond:
-                            deadline = self.version + self.max_staleness
+                            due = deadline(self.version, self.skipped, self.max_staleness)
                         request = asyncio.ensure_future(m.rollout_fn.group(ctx, prompt, ids))
-                        pending[request] = (prompt, ids, time.time(), deadline)
+                        pending[request] = (prompt, ids, time.time(), due)
                     if not pending:
                         await asyncio.sleep(0.05)  # waiting for a release to admit more
                         continue
                     done, _ = await asyncio.wait(pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
                     for request in done:
-                        prompt, ids, started, deadline = pending.pop(request)
+                        prompt, ids, started, due = pending.pop(request)
                         try:
-                            finished.append((prompt, ids, request.result(), started, deadline))
+                            finished.append((prompt, ids, request.result(), started, due))
                         except EngineError:
                             m.raise_if_all_down()
                             raise
@@ -203,6 +222,7 @@ class Stream:
             self.manager.store.remove(ref.partitions)
             with self.cond:
                 self.released += 1
+                self.skipped += 1  # this step trains the next batch: admit and date by one more
         self.dropped_total += dropped
         lag = step - np.asarray(ref.weight_versions)[kept]
         ref.stats.update({"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),

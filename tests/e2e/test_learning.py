@@ -13,8 +13,9 @@ import pytest
 
 from tests.support.runs import read_metrics, train, train_async
 
-pytestmark = pytest.mark.usefixtures("shared_ray")
-CALCULATOR = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool", "rollout.max_new_tokens=16")  # the runs connect to one `ray start --head`
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
+CALCULATOR = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
+              "rollout.max_new_tokens=16")
 
 
 @pytest.mark.slow
@@ -123,17 +124,20 @@ def _check_calculator_samples(path) -> dict[str, float]:
         assert d["reward"] == pytest.approx(task.reward(d["scored_text"], d["label"], d["finished"]))
         assert all((lp == 0.0) == (m == 0) for m, lp in zip(mask, logps)), d  # the engine's, on model tokens
         if 0 not in mask:  # no call: every token the model's
-            assert CALCULATOR_CALL_END not in tok.decode(ids, skip_special_tokens=True) or not d["finished"], d
+            text = tok.decode(ids, skip_special_tokens=True)
+            assert CALCULATOR_CALL_END not in text or not d["finished"], d
             continue
         calls += 1
         first, n_env = mask.index(0), mask.count(0)
-        assert mask == [1] * first + [0] * n_env + [1] * (len(mask) - first - n_env), d  # call, result, answer
+        # the call, the tool's result, the answer
+        assert mask == [1] * first + [0] * n_env + [1] * (len(mask) - first - n_env), d
         call = tok.decode(ids[:first], skip_special_tokens=True)  # as the engine gave it to the tool
         assert call.endswith(CALCULATOR_CALL_END), d  # the call's stop string, sampled and trained
         result = tok.decode(ids[first:first + n_env])
         assert result == (calculator(call[:-1]) + " ")[:len(result)], d  # the tool's (cut if no room)
         [(expr, _)], answer = parse_calculator_transcript(d["scored_text"])
-        operands += [x == y for x, y in zip(expr.split("+"), d["label"].split("+"))] if "+" in expr else [False, False]
+        label = d["label"].split("+")
+        operands += [x == y for x, y in zip(expr.split("+"), label)] if "+" in expr else [False, False]
         if d["finished"]:
             answers.append(answer.strip() == result.strip())
     return {"calls": calls / len(samples), "operands_right": float(np.mean(operands or [0.0])),

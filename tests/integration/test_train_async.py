@@ -70,10 +70,12 @@ def test_evaluation_runs_in_both_async_loops_and_leaves_training_data_alone(full
 def test_an_overtaken_group_is_trained_within_its_bound_and_an_older_one_is_dropped(tmp_path, data_path):
     """Fully async, one group a batch, ``algo.max_staleness=1``
     (``tests.support.helpers.late_and_old_groups``, a rollout function as a user writes one):
-    the first prompt's group, admitted under version 0, finishes seconds after the groups
-    admitted after it; batch 1, its deadline, waits for it, so it is trained at step 1, not
-    dropped. The fifth prompt's group reports answers of version 0 whatever weights it ran
-    under, which no admission can foresee: the safety net drops its batch whole (keys
+    the first prompt's group, admitted under version 0, finishes only after the third
+    prompt's, admitted under version 1; batch 1, its deadline, waits for it and leaves the
+    third for later, so it is trained at step 1, not dropped (in finishing order, batch 1
+    would take the third and the first would be too stale at step 2). The fifth prompt's
+    group reports answers of version 0 whatever weights it ran under, which no admission can
+    foresee: the safety net drops its batch whole (keys
     removed, ``async/dropped_samples``, ``stale`` in the ledger) and the same step trains the
     next batch; every other sample is trained within the bound or queued at the end, and no
     Mooncake key or process is left."""

@@ -47,23 +47,29 @@ def eval_task(tmp_path) -> tuple[str, ...]:
             f"eval.path={held_out}")
 
 
-LATE_PROMPT, LATE_S = 0, 3.0
+LATE_PROMPT, LATE_AFTER, LATE_S = 0, 2, 30.0
 OLD_PROMPT = 4
+_finished: set[int] = set()  # prompts whose group has finished, in the manager's process
 
 
 async def late_and_old_groups(ctx, prompt, prompt_ids):
     """``rollout.function=tests.support.helpers:late_and_old_groups``: ``single_turn``, except
-    that prompt ``LATE_PROMPT``'s group, answered at once, finishes ``LATE_S`` seconds later
-    (overtaken by the groups admitted after it), and prompt ``OLD_PROMPT``'s group reports
-    the first weights (version 0) for its answers, as a function returning cached answers
-    would: the first is what fully async batch formation waits for, the second what only the
-    safety net can catch (rl/rollout/stream.py)."""
+    that prompt ``LATE_PROMPT``'s group, answered at once, finishes only after prompt
+    ``LATE_AFTER``'s group (admitted a version later) has finished, or after ``LATE_S``
+    seconds; and prompt ``OLD_PROMPT``'s group reports the first weights (version 0) for its
+    answers, as a function returning cached answers would: the first is what fully async
+    batch formation waits for, the second what only the safety net can catch
+    (rl/rollout/stream.py)."""
     samples = await single_turn(ctx, prompt, prompt_ids)
     if prompt.index == LATE_PROMPT:
-        await asyncio.sleep(LATE_S)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + LATE_S
+        while LATE_AFTER not in _finished and loop.time() < until:
+            await asyncio.sleep(0.02)
     if prompt.index == OLD_PROMPT:
         for s in samples:
             for meta in s.meta_info:
                 meta.pop("weight_versions", None)
                 meta["weight_version"] = "0"
+    _finished.add(prompt.index)
     return samples
