@@ -90,15 +90,18 @@ def test_reward_rises_on_the_multi_turn_calculator_task(tmp_path):
     rewards = [r["rollout/reward_mean"] for r in rows]
     solved = [r["rollout/solved_frac"] for r in rows]
     evals = [{k: r[k] for k in ("eval/reward_mean", "eval/pass@4")} for r in rows if "eval/reward_mean" in r]
-    # measured over seeds 1-5 (docs/rollout.md, "Over seeds"), steps 231-250: reward 0.44-0.73
-    # (0.32 in one CI run of seed 1), right answers (reward 1) 0.04-0.47 of the samples, the
-    # first at steps 95-204; the evaluation after step 250: reward 0.49-0.73. Whether the model
-    # learns to copy the tool's result varies, so right answers are reported, not required.
+    # measured in six runs of seeds 1-5 (docs/rollout.md, "Over seeds"), steps 231-250: reward
+    # 0.44-0.79, right answers (reward 1) 0.04-0.59 of the samples, the first at steps 95-204;
+    # the evaluation's reward 0.20-0.42 higher after step 250 than after step 125. How many
+    # answers the model learns to copy varies by seed and run, so it is reported, not required.
+    # A run like one seen in CI (reward 0.32: calls, few right operands) fails here.
     assert np.mean(rewards[:10]) < 0.02 and max(solved[:10]) == 0.0
-    assert np.mean(rewards[-20:]) > 0.25, rewards[-20:]
-    assert len(evals) == 2 and evals[1]["eval/reward_mean"] > 0.2, evals  # through the tool loop
+    assert np.mean(rewards[-20:]) > 0.35, rewards[-20:]
+    assert max(solved) > 0.0, solved  # a right call and a right answer, scored 1, at least once
+    assert len(evals) == 2, evals  # the evaluation, through the tool loop
+    assert evals[1]["eval/reward_mean"] > evals[0]["eval/reward_mean"] + 0.05, evals
     last = _check_calculator_samples(tmp_path / "rollouts" / f"step_{steps - 1:06d}.jsonl")
-    # measured at step 250: calls 0.99-1.00, operands 0.66-1.00 right, answers 0.09-0.57 copied
+    # measured at step 250: calls 0.99-1.00, operands 0.66-1.00 right, answers 0.09-0.72 copied
     assert last["calls"] > 0.9 and last["operands_right"] > 0.5, last
     print(f"calculator: {len(rows)} steps in {time.monotonic() - t0:.0f}s, reward "
           f"{np.mean(rewards[-20:]):.3f} and right answers {np.mean(solved[-20:]):.3f} over the last 20, "
