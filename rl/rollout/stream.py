@@ -116,6 +116,10 @@ class Stream:
         self.dropped_total = 0
         self.skipped = 0
         """Whole batches dropped by the safety net (``admission_limit``, ``deadline``)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._freed: asyncio.Event | None = None
+        """Set from the driver's thread when a place frees (``_wake``): the generation loop
+        admits at once instead of at its next poll."""
         self.thread = threading.Thread(target=self._produce, args=(first_step,),
                                        name="rollout-stream", daemon=True)
         self.thread.start()
@@ -139,6 +143,7 @@ class Stream:
         import aiohttp  # start-up cost: only the manager's process generates
 
         m = self.manager
+        self._loop, self._freed = asyncio.get_running_loop(), asyncio.Event()
         pending: dict[asyncio.Future, tuple] = {}  # request -> (prompt, ids, started at)
         finished: list[tuple] = []  # groups answered, not yet a whole batch
         retried = m.pool.retried
@@ -156,11 +161,14 @@ class Stream:
                             due = deadline(self.version, self.skipped, self.max_staleness)
                         request = asyncio.ensure_future(m.rollout_fn.group(ctx, prompt, ids))
                         pending[request] = (prompt, ids, time.time(), due)
-                    if not pending:
-                        await asyncio.sleep(0.05)  # waiting for a release to admit more
-                        continue
-                    done, _ = await asyncio.wait(pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
-                    for request in done:
+                    # a request finishing or a place freeing (the poll: for `stopping`); cleared
+                    # before admission is checked again, so no release between the two is missed
+                    freed = asyncio.ensure_future(self._freed.wait())
+                    done, _ = await asyncio.wait([*pending, freed], timeout=0.1,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    freed.cancel()
+                    self._freed.clear()
+                    for request in done - {freed}:
                         prompt, ids, started, due = pending.pop(request)
                         try:
                             finished.append((prompt, ids, request.result(), started, due))
@@ -223,6 +231,7 @@ class Stream:
             with self.cond:
                 self.released += 1
                 self.skipped += 1  # this step trains the next batch: admit and date by one more
+            self._wake()
         self.dropped_total += dropped
         lag = step - np.asarray(ref.weight_versions)[kept]
         ref.stats.update({"async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
@@ -240,6 +249,16 @@ class Stream:
             entry["outcome"] = [o or "trained" for o in entry["outcome"]]
             self.released += 1
             self.version = max(self.version, step + 1)
+        self._wake()
+
+    def _wake(self) -> None:
+        """From the driver's thread: a place freed, admit now."""
+        loop, freed = self._loop, self._freed
+        if loop is not None and freed is not None:
+            try:
+                loop.call_soon_threadsafe(freed.set)
+            except RuntimeError:  # the generation loop has ended
+                pass
 
     def resume_position(self) -> dict:
         """The manager's state for a checkpoint taken now: the data position before the
