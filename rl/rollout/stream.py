@@ -144,7 +144,7 @@ class Stream:
 
         m = self.manager
         self._loop, self._freed = asyncio.get_running_loop(), asyncio.Event()
-        pending: dict[asyncio.Future, tuple] = {}  # request -> (prompt, ids, started at)
+        pending: dict[asyncio.Future, tuple] = {}  # request -> (prompt, ids, started at, deadline)
         finished: list[tuple] = []  # groups answered, not yet a whole batch
         retried = m.pool.retried
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
