@@ -35,7 +35,8 @@ from typing import Any, Awaitable, Callable
 
 from rl.rollout.client import EngineError
 from rl.tasks import Prompt
-from rl.tasks.builtin import CALCULATOR_CALL_END, CALCULATOR_MAX_CALLS, calculator, calculator_transcript
+from rl.tasks.builtin import (CALCULATOR_CALL_END, CALCULATOR_MAX_CALLS, CALCULATOR_RESULT_END, calculator,
+                              calculator_transcript)
 
 
 @dataclass
@@ -157,7 +158,7 @@ async def _calculator_sample(ctx: RolloutContext, prompt_ids: list[int]) -> Samp
             return Sample(prompt_ids, ids, mask, logps, turn.finished, metas,
                           calculator_transcript(calls, turn.text))
         calls.append((turn.text, calculator(turn.text)))
-        result = ctx.tokenizer.encode(calls[-1][1] + " ", add_special_tokens=False)
+        result = ctx.tokenizer.encode(calls[-1][1] + CALCULATOR_RESULT_END, add_special_tokens=False)
         result = result[:budget - len(ids)]
         ids += result
         mask += [0] * len(result)

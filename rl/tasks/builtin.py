@@ -99,6 +99,9 @@ class AdditionTask(_StreamTask):
 
 CALCULATOR_CALL_END = "="
 """Ends a calculator call: the model writes ``12+34=`` and the environment appends ``46 ``."""
+CALCULATOR_RESULT_END = " "
+"""Follows the tool's result in what the environment appends (``46 ``); the model answers after it.
+Other layouts learnt no better (docs/rollout.md, "Over seeds")."""
 CALCULATOR_MAX_CALLS = 1
 """Tool calls a calculator sample may make; the turn after the last one gets no stop string."""
 _CALL = re.compile(r"^\s*(-?\d+)\s*([+*-])\s*(-?\d+)\s*$")
@@ -117,7 +120,8 @@ def calculator(expression: str) -> str:
 def calculator_transcript(calls: list[tuple[str, str]], answer: str) -> str:
     """A tool-use sample as text: each call's expression, ``=``, the tool's result and a space,
     then the answer: ``12+34=46 46``. What ``calculator_tool`` gives the reward to score."""
-    return "".join(f"{expr}{CALCULATOR_CALL_END}{result} " for expr, result in calls) + answer
+    end, sep = CALCULATOR_CALL_END, CALCULATOR_RESULT_END
+    return "".join(f"{expr}{end}{result}{sep}" for expr, result in calls) + answer
 
 
 def parse_calculator_transcript(text: str) -> tuple[list[tuple[str, str]], str]:
@@ -127,7 +131,7 @@ def parse_calculator_transcript(text: str) -> tuple[list[tuple[str, str]], str]:
     calls, rest = [], text
     while len(calls) < CALCULATOR_MAX_CALLS and CALCULATOR_CALL_END in rest:
         expr, _, after = rest.partition(CALCULATOR_CALL_END)
-        result, _, rest = after.partition(" ")
+        result, _, rest = after.partition(CALCULATOR_RESULT_END)
         calls.append((expr, result))
     return calls, rest
 

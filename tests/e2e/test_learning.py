@@ -113,7 +113,8 @@ def _check_calculator_samples(path) -> dict[str, float]:
     called the tool, and of the calls' operands, the fraction copied right; of the answers
     after a call, the fraction that copied the tool's result."""
     from rl.model import load_tokenizer, resolve_model_path
-    from rl.tasks.builtin import CALCULATOR_CALL_END, CalculatorTask, calculator, parse_calculator_transcript
+    from rl.tasks.builtin import (CALCULATOR_CALL_END, CALCULATOR_RESULT_END, CalculatorTask, calculator,
+                                  parse_calculator_transcript)
     from tests.support.env import compose
 
     cfg = compose(*CALCULATOR)
@@ -137,12 +138,13 @@ def _check_calculator_samples(path) -> dict[str, float]:
         call = tok.decode(ids[:first], skip_special_tokens=True)  # as the engine gave it to the tool
         assert call.endswith(CALCULATOR_CALL_END), d  # the call's stop string, sampled and trained
         result = tok.decode(ids[first:first + n_env])
-        assert result == (calculator(call[:-1]) + " ")[:len(result)], d  # the tool's (cut if no room)
-        [(expr, _)], answer = parse_calculator_transcript(d["scored_text"])
+        tool = calculator(call[:-1]) + CALCULATOR_RESULT_END
+        assert result == tool[:len(result)], d  # the tool's (cut if no room)
+        [(expr, said)], answer = parse_calculator_transcript(d["scored_text"])
         label = d["label"].split("+")
         operands += [x == y for x, y in zip(expr.split("+"), label)] if "+" in expr else [False, False]
         if d["finished"]:
-            answers.append(answer.strip() == result.strip())
+            answers.append(answer.strip() == said)
     return {"calls": calls / len(samples), "operands_right": float(np.mean(operands or [0.0])),
             "answer_copied": float(np.mean(answers or [0.0]))}
 
