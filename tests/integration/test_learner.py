@@ -471,7 +471,7 @@ def test_all_masked_batch_changes_nothing(steps_out):
 def _drop_worker(rank, world, port, tiny_path, out_dir):
     from rl.algo import LOSS_AGGS
     from rl.learner.learner import Learner
-    from rl.rollout.batch import zero_std_groups
+    from rl.rollout.batch import grpo_advantages, zero_std_groups
     from transfer.weights.base import full_tensor
 
     cfg = compose("cluster.num_learners=1", "algo.micro_batch_size=3")
@@ -491,13 +491,27 @@ def _drop_worker(rank, world, port, tiny_path, out_dir):
         kept = grouped_batch().select(np.flatnonzero(np.repeat([1, 0, 1, 0], 4)))
         out[mode] = {"dropped": grads(dropped, mode), "without": grads(kept, mode),
                      "not_dropped": grads(grouped_batch(), mode)}
+    # every group flat and kept (drop=False): counted, left in the loss, and the step is taken
+    flat = grouped_batch()
+    flat.rewards[:] = 0.0
+    flat.advantages = grpo_advantages(flat.rewards, 4)
+    out["flat_count"] = zero_std_groups(flat, 4, drop=False)
+    out["flat_kept"] = learner.train_batch(flat)
     torch.save(out, os.path.join(out_dir, "drop_grads.pt"))
     learner.close()
 
 
 def test_dropping_flat_groups_equals_training_without_them(ranks, tiny_path, tmp_path):
+    """Flat groups dropped give the gradient of the batch without them, in every loss
+    aggregation; kept (``drop=False``), they dilute it; a batch of only flat groups kept still
+    takes its optimizer step, with a zero gradient (the whole run: tests/integration/test_train.py)."""
     ranks.run(_drop_worker, (1, free_port(), tiny_path, str(tmp_path)))
     g = torch.load(os.path.join(tmp_path, "drop_grads.pt"))
+    # all flat, kept: the optimizer step runs, on a gradient that is exactly zero
+    assert g.pop("flat_count") == 4
+    kept = g.pop("flat_kept")
+    assert kept["train/optimizer_steps"] == 1, kept
+    assert kept["train/grad_norm"] == 0.0 and kept["train/loss"] == 0.0, kept
     for mode, grads in g.items():
         assert any(v.abs().sum() > 0 for v in grads["without"].values())
         for name in grads["without"]:
