@@ -11,6 +11,7 @@ import datetime
 import math
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -195,7 +196,11 @@ class Learner:
             for k in SUM_KEYS:
                 totals[k] = totals.get(k, 0.0) + sums[k]
             totals["is_max"] = max(totals.get("is_max", 0.0), sums["is_max"])
-        self.scheduler.step()  # the LR schedule counts rollouts
+        with warnings.catch_warnings():
+            # The LR schedule counts rollouts, those that take no optimizer step too (every group
+            # flat or stale): torch warns about exactly that when it happens on the first rollout.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
         g = dict(zip(SUM_KEYS, self._all_reduce([totals.get(k, 0.0) for k in SUM_KEYS])))
         [is_max] = self._all_reduce([totals.get("is_max", 0.0)], "max")
         tok, n = max(g["tokens"], 1.0), g["is_n"]
