@@ -107,6 +107,11 @@ def _python(args: list[str], tmp_path, request) -> None:
         proc = _run([sys.executable, os.path.join(REPO, script), str(src), str(dst)], str(tmp_path))
         assert proc.returncode == 0, proc.stderr
         assert json.loads(dst.read_text())["label"] == "2"
+    elif script == "scripts/calculator_summary.py":  # run for real on the runs kept in docs/runs
+        proc = _run([sys.executable, os.path.join(REPO, script), *(os.path.join(REPO, a) for a in args[1:])],
+                    str(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+        assert len(proc.stdout.splitlines()) == len(args) - 1 and proc.stdout.startswith("| "), proc.stdout
     elif script.startswith(("scripts/plot", "benchmarks/plot")):  # run for real; figures to tmp
         argv = [str(tmp_path / os.path.basename(a)) if a.endswith(".png") else os.path.join(REPO, a)
                 for a in args[1:]]

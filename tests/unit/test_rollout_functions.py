@@ -265,3 +265,25 @@ def test_rollout_function_config():
     cfg = compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
                   "rollout.max_new_tokens=16")
     assert (cfg.task.name, cfg.task.max_value) == ("calculator", 4)
+
+
+def test_calculator_summary_reads_calls_operands_and_copied_answers():
+    """scripts/calculator_summary.py, the figures of docs/rollout.md's calculator table: of
+    four dumped samples, three call the tool (one without room to answer), their operands are
+    right 3 times in 6, and of the two finished answers one copies the tool's result and the
+    other the call's second operand."""
+    import importlib.util
+    import os
+
+    from tests.support.env import REPO
+
+    spec = importlib.util.spec_from_file_location("calculator_summary",
+                                                  os.path.join(REPO, "scripts", "calculator_summary.py"))
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    samples = [{"label": "3+4", "scored_text": calculator_transcript([("3+4", "7")], "7"), "finished": True},
+               {"label": "3+4", "scored_text": calculator_transcript([("3+3", "6")], "3"), "finished": True},
+               {"label": "2+1", "scored_text": calculator_transcript([("1", "1")], ""), "finished": False},
+               {"label": "2+1", "scored_text": "21", "finished": True}]  # no call
+    assert summary.dump_stats(samples) == {"calls": 0.75, "operands_right": pytest.approx(3 / 6),
+                                           "answers_copied": 0.5, "answers_second_operand": 0.5}

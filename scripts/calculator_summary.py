@@ -1,0 +1,96 @@
+"""Summarise `task=calculator` runs as rows of the table in docs/rollout.md ("Over seeds").
+
+Per run: the reward and the right answers (`rollout/solved_frac`) over the last 20 steps,
+the first step with a right answer, the entropy over the last 10 steps, the last evaluation
+(reward / pass@k), and, from the last samples the run dumped (`rollout.dump_every`), the
+fraction that call the tool, of their calls' operands the fraction right, and of their
+finished answers the fraction that copy the tool's result. Steps are counted from 1.
+
+    python scripts/calculator_summary.py outputs/calc_s1 outputs/calc_s2
+    python scripts/calculator_summary.py docs/runs/calculator_test_s5_metrics.jsonl
+
+A path is a run's `output_dir` (its metrics.jsonl and rollouts/) or a metrics.jsonl alone
+(then the last column reads "not kept"). `--json` prints every figure, the share of answers
+equal to the call's second operand too (the usual wrong copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+import numpy as np
+
+from rl.tasks.builtin import parse_calculator_transcript
+
+
+def dump_stats(samples: list[dict]) -> dict[str, float]:
+    """Of the dumped samples: the fraction whose transcript holds a call; of the calls'
+    operands, the fraction right (a call that is not ``a+b`` has both wrong); of the finished
+    answers after a call, the fraction equal to the tool's result and to the call's second
+    operand."""
+    calls, operands, copied, second = 0, [], [], []
+    for d in samples:
+        found, answer = parse_calculator_transcript(d["scored_text"])
+        if not found:
+            continue
+        calls += 1
+        (expr, result), want = found[0], d["label"].split("+")
+        operands += [x == y for x, y in zip(expr.split("+"), want)] if "+" in expr else [False, False]
+        if d["finished"]:
+            copied.append(answer.strip() == result)
+            second.append("+" in expr and answer.strip() == expr.split("+")[1])
+    mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
+    return {"calls": calls / len(samples), "operands_right": mean(operands),
+            "answers_copied": mean(copied), "answers_second_operand": mean(second)}
+
+
+def summarise(path: str) -> dict:
+    metrics = path if path.endswith(".jsonl") else os.path.join(path, "metrics.jsonl")
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f]
+    if not rows:
+        raise SystemExit(f"{metrics}: no steps logged")
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    pass_key = next((k for k in (evals[-1] if evals else {}) if k.startswith("eval/pass@")), None)
+    out = {"run": os.path.basename(path.rstrip("/")), "steps": len(rows),
+           "reward_last20": float(np.mean([r["rollout/reward_mean"] for r in rows[-20:]])),
+           "right_last20": float(np.mean([r["rollout/solved_frac"] for r in rows[-20:]])),
+           "first_right_step": next((r["step"] + 1 for r in rows if r["rollout/solved_frac"] > 0), None),
+           "entropy_last10": float(np.mean([r["train/entropy"] for r in rows[-10:]])),
+           "eval_step": evals[-1]["step"] + 1 if evals else None,
+           "eval_reward": evals[-1]["eval/reward_mean"] if evals else None,
+           "eval_pass": evals[-1][pass_key] if pass_key else None}
+    dumped = os.path.join(path, "rollouts", "step_*.jsonl")
+    dumps = [] if path.endswith(".jsonl") else sorted(glob.glob(dumped))
+    if dumps:
+        with open(dumps[-1]) as f:
+            samples = [json.loads(line) for line in f]
+        out["dump_step"] = samples[0]["step"] + 1
+        out.update(dump_stats(samples))
+    return out
+
+
+def row(s: dict) -> str:
+    first = f"step {s['first_right_step']}" if s["first_right_step"] else "none"
+    ev = f"{s['eval_reward']:.2f} / {s['eval_pass']:.2f}" if s["eval_reward"] is not None else "-"
+    last = (f"{s['calls']:.2f} / {s['operands_right']:.2f} / {s['answers_copied']:.2f}" if "calls" in s
+            else "not kept")
+    return (f"| {s['run']} | {s['reward_last20']:.2f} | {s['right_last20']:.3f} | {first} | "
+            f"{s['entropy_last10']:.2f} | {ev} | {last} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", help="a run's output_dir, or its metrics.jsonl")
+    parser.add_argument("--json", action="store_true", help="every figure, one JSON object per run")
+    args = parser.parse_args()
+    for path in args.paths:
+        s = summarise(path)
+        print(json.dumps(s) if args.json else row(s))
+
+
+if __name__ == "__main__":
+    main()
