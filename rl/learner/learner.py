@@ -47,6 +47,9 @@ class Learner:
         self.world_size = world_size
         self.on_gpu = cfg.cluster.gpus_per_learner > 0
         torch.set_num_threads(cfg.cluster.torch_threads)
+        # The LR schedule counts rollouts, those that take no optimizer step too (every group
+        # flat or stale): torch warns about exactly that when the first rollout takes none.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
     # -- setup -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -196,11 +199,7 @@ class Learner:
             for k in SUM_KEYS:
                 totals[k] = totals.get(k, 0.0) + sums[k]
             totals["is_max"] = max(totals.get("is_max", 0.0), sums["is_max"])
-        with warnings.catch_warnings():
-            # The LR schedule counts rollouts, those that take no optimizer step too (every group
-            # flat or stale): torch warns about exactly that when it happens on the first rollout.
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-            self.scheduler.step()
+        self.scheduler.step()  # the LR schedule counts rollouts, those without an optimizer step too
         g = dict(zip(SUM_KEYS, self._all_reduce([totals.get(k, 0.0) for k in SUM_KEYS])))
         [is_max] = self._all_reduce([totals.get("is_max", 0.0)], "max")
         tok, n = max(g["tokens"], 1.0), g["is_n"]
