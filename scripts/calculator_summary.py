@@ -10,7 +10,7 @@ finished answers the fraction that copy the tool's result. Steps are counted fro
     python scripts/calculator_summary.py docs/runs/calculator_test_s5_metrics.jsonl
 
 A path is a run's `output_dir` (its metrics.jsonl and rollouts/) or a metrics.jsonl alone
-(then the last column reads "not kept"). `--json` prints every figure, the share of answers
+(then the last column reads "-"). `--json` prints every figure, the share of answers
 equal to the call's second operand too (the usual wrong copy).
 """
 
@@ -23,28 +23,7 @@ import os
 
 import numpy as np
 
-from rl.tasks.builtin import parse_calculator_transcript
-
-
-def dump_stats(samples: list[dict]) -> dict[str, float]:
-    """Of the dumped samples: the fraction whose transcript holds a call; of the calls'
-    operands, the fraction right (a call that is not ``a+b`` has both wrong); of the finished
-    answers after a call, the fraction equal to the tool's result and to the call's second
-    operand."""
-    calls, operands, copied, second = 0, [], [], []
-    for d in samples:
-        found, answer = parse_calculator_transcript(d["scored_text"])
-        if not found:
-            continue
-        calls += 1
-        (expr, result), want = found[0], d["label"].split("+")
-        operands += [x == y for x, y in zip(expr.split("+"), want)] if "+" in expr else [False, False]
-        if d["finished"]:
-            copied.append(answer.strip() == result)
-            second.append("+" in expr and answer.strip() == expr.split("+")[1])
-    mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
-    return {"calls": calls / len(samples), "operands_right": mean(operands),
-            "answers_copied": mean(copied), "answers_second_operand": mean(second)}
+from rl.tasks.builtin import calculator_dump_stats
 
 
 def summarise(path: str) -> dict:
@@ -69,7 +48,7 @@ def summarise(path: str) -> dict:
         with open(dumps[-1]) as f:
             samples = [json.loads(line) for line in f]
         out["dump_step"] = samples[0]["step"] + 1
-        out.update(dump_stats(samples))
+        out.update(calculator_dump_stats(samples))
     return out
 
 
@@ -77,7 +56,7 @@ def row(s: dict) -> str:
     first = f"step {s['first_right_step']}" if s["first_right_step"] else "none"
     ev = f"{s['eval_reward']:.2f} / {s['eval_pass']:.2f}" if s["eval_reward"] is not None else "-"
     last = (f"{s['calls']:.2f} / {s['operands_right']:.2f} / {s['answers_copied']:.2f}" if "calls" in s
-            else "not kept")
+            else "-")
     return (f"| {s['run']} | {s['reward_last20']:.2f} | {s['right_last20']:.3f} | {first} | "
             f"{s['entropy_last10']:.2f} | {ev} | {last} |")
 

@@ -136,6 +136,32 @@ def parse_calculator_transcript(text: str) -> tuple[list[tuple[str, str]], str]:
     return calls, rest
 
 
+def calculator_dump_stats(samples: list[dict]) -> dict[str, float]:
+    """What a step's dumped calculator samples (``rollout.dump_every``) show: the fraction
+    whose transcript holds a call; of the calls' operands, the fraction right (the first two; a call
+    without ``+`` has both wrong); of the finished answers after a call, the fraction that copy
+    the tool's result and the fraction that repeat the call's second operand (the usual wrong
+    copy). Read from the transcripts, so a group dropped from the loss counts like any other."""
+    calls, operands, copied, second = 0, [], [], []
+    for d in samples:
+        found, answer = parse_calculator_transcript(d["scored_text"])
+        if not found:
+            continue
+        calls += 1
+        (expr, result), want = found[0], d["label"].split("+")
+        got = expr.split("+")
+        operands += [x == y for x, y in zip(got, want)] if len(got) > 1 else [False, False]
+        if d["finished"]:
+            copied.append(answer.strip() == result)
+            second.append(len(got) > 1 and answer.strip() == got[1])
+
+    def mean(xs: list[bool]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return {"calls": calls / len(samples), "operands_right": mean(operands),
+            "answers_copied": mean(copied), "answers_second_operand": mean(second)}
+
+
 class CalculatorTask(_StreamTask):
     """Tool use: ``12+34:`` -> the model calls the calculator (``12+34=``), reads its result
     (``46`` and a space, appended by the environment: ``rl.rollout.functions.calculator_tool``) and

@@ -128,19 +128,17 @@ def _calculator_run(out, seed: int) -> list[str]:
 
 
 def _check_calculator_samples(path) -> dict[str, float]:
-    """Every dumped calculator sample, token by token; of all samples, the fraction that
-    called the tool, and of the calls' operands, the fraction copied right; of the answers
-    after a call, the fraction that copied the tool's result."""
+    """Every dumped calculator sample, token by token; then what the samples show
+    (``calculator_dump_stats``: calls, operands right, answers copied from the tool's result)."""
     from rl.model import load_tokenizer, resolve_model_path
     from rl.tasks.builtin import (CALCULATOR_CALL_END, CALCULATOR_RESULT_END, CalculatorTask, calculator,
-                                  parse_calculator_transcript)
+                                  calculator_dump_stats)
     from tests.support.env import compose
 
     cfg = compose(*CALCULATOR)
     tok, task = load_tokenizer(resolve_model_path(cfg.model)), CalculatorTask()
     samples = [json.loads(line) for line in open(path)]
     assert len(samples) == cfg.rollout.batch_size
-    calls, operands, answers = 0, [], []
     for d in samples:
         ids, mask, logps = d["response_ids"], d["loss_mask"], d["logprobs"]
         assert len(ids) == len(mask) == len(logps) <= 16
@@ -150,7 +148,6 @@ def _check_calculator_samples(path) -> dict[str, float]:
             text = tok.decode(ids, skip_special_tokens=True)
             assert CALCULATOR_CALL_END not in text or not d["finished"], d
             continue
-        calls += 1
         first, n_env = mask.index(0), mask.count(0)
         # the call, the tool's result, the answer
         assert mask == [1] * first + [0] * n_env + [1] * (len(mask) - first - n_env), d
@@ -159,13 +156,7 @@ def _check_calculator_samples(path) -> dict[str, float]:
         result = tok.decode(ids[first:first + n_env])
         tool = calculator(call[:-1]) + CALCULATOR_RESULT_END
         assert result == tool[:len(result)], d  # the tool's (cut if no room)
-        [(expr, said)], answer = parse_calculator_transcript(d["scored_text"])
-        label = d["label"].split("+")
-        operands += [x == y for x, y in zip(expr.split("+"), label)] if "+" in expr else [False, False]
-        if d["finished"]:
-            answers.append(answer.strip() == said)
-    return {"calls": calls / len(samples), "operands_right": float(np.mean(operands or [0.0])),
-            "answer_copied": float(np.mean(answers or [0.0]))}
+    return calculator_dump_stats(samples)
 
 
 @pytest.mark.slow

@@ -108,10 +108,18 @@ def _python(args: list[str], tmp_path, request) -> None:
         assert proc.returncode == 0, proc.stderr
         assert json.loads(dst.read_text())["label"] == "2"
     elif script == "scripts/calculator_summary.py":  # run for real on the runs kept in docs/runs
-        proc = _run([sys.executable, os.path.join(REPO, script), *(os.path.join(REPO, a) for a in args[1:])],
+        paths = [a for a in args[1:] if not a.startswith("--")]
+        proc = _run([sys.executable, os.path.join(REPO, script), *(os.path.join(REPO, a) for a in paths)],
                     str(tmp_path))
         assert proc.returncode == 0, proc.stderr
-        assert len(proc.stdout.splitlines()) == len(args) - 1 and proc.stdout.startswith("| "), proc.stdout
+        printed = proc.stdout.splitlines()
+        assert len(printed) == len(paths), proc.stdout
+        # each row's figures (all but the name and the dump's column) are a row of the page's table
+        cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")][1:-1]  # noqa: E731
+        with open(os.path.join(REPO, "docs", "rollout.md")) as f:
+            rows = [cells(line) for line in f if line.startswith("| ")]
+        for line in printed:
+            assert cells(line) in rows, f"{line} is no row of docs/rollout.md"
     elif script.startswith(("scripts/plot", "benchmarks/plot")):  # run for real; figures to tmp
         argv = [str(tmp_path / os.path.basename(a)) if a.endswith(".png") else os.path.join(REPO, a)
                 for a in args[1:]]

@@ -267,23 +267,23 @@ def test_rollout_function_config():
     assert (cfg.task.name, cfg.task.max_value) == ("calculator", 4)
 
 
-def test_calculator_summary_reads_calls_operands_and_copied_answers():
-    """scripts/calculator_summary.py, the figures of docs/rollout.md's calculator table: of
-    four dumped samples, three call the tool (one without room to answer), their operands are
-    right 3 times in 6, and of the two finished answers one copies the tool's result and the
-    other the call's second operand."""
-    import importlib.util
-    import os
+def test_calculator_dump_stats_read_calls_operands_and_copied_answers():
+    """``calculator_dump_stats`` (the last column of docs/rollout.md's calculator table, via
+    scripts/calculator_summary.py, and the e2e learning test's checks): of five dumped samples,
+    four call the tool (one without room to answer, one in a group dropped from the loss, its
+    loss mask all 0), their operands are right 5 times in 8, and of the three finished answers
+    one copies the tool's result and two repeat the call's second operand."""
+    from rl.tasks.builtin import calculator_dump_stats
 
-    from tests.support.env import REPO
+    def sample(label, calls, answer, finished=True, dropped=False):
+        return {"label": label, "scored_text": calculator_transcript(calls, answer), "finished": finished,
+                "loss_mask": [0] * 8 if dropped else [1] * 8}
 
-    spec = importlib.util.spec_from_file_location("calculator_summary",
-                                                  os.path.join(REPO, "scripts", "calculator_summary.py"))
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
-    samples = [{"label": "3+4", "scored_text": calculator_transcript([("3+4", "7")], "7"), "finished": True},
-               {"label": "3+4", "scored_text": calculator_transcript([("3+3", "6")], "3"), "finished": True},
-               {"label": "2+1", "scored_text": calculator_transcript([("1", "1")], ""), "finished": False},
-               {"label": "2+1", "scored_text": "21", "finished": True}]  # no call
-    assert summary.dump_stats(samples) == {"calls": 0.75, "operands_right": pytest.approx(3 / 6),
-                                           "answers_copied": 0.5, "answers_second_operand": 0.5}
+    samples = [sample("3+4", [("3+4", "7")], "7"),
+               sample("3+4", [("3+3", "6")], "3"),
+               sample("1+2", [("1+2", "3")], "2", dropped=True),
+               sample("2+1", [("1", "1")], "", finished=False),
+               {"label": "2+1", "scored_text": "21", "finished": True, "loss_mask": [1, 1]}]  # no call
+    assert calculator_dump_stats(samples) == {"calls": 0.8, "operands_right": 5 / 8,
+                                              "answers_copied": pytest.approx(1 / 3),
+                                              "answers_second_operand": pytest.approx(2 / 3)}
