@@ -1,8 +1,9 @@
 """Learner on spawned gloo ranks: 2-rank FSDP2 gradients equal the 1-rank reference, pad ids
 never reach the gradient, the truncated importance ratio and staleness mask, the masked
 importance ratio and the off-policy metrics over two ranks, several steps per rollout clip
-against the behaviour policy, dropped flat groups equal training without them, the KL
-penalty and entropy bonus match plain autograd, and micro-batches by token budget give the
+against the behaviour policy, dropped flat groups equal training without them (and kept,
+a batch of only flat groups still takes its step, on a zero gradient), the KL penalty and
+entropy bonus match plain autograd, and micro-batches by token budget give the
 gradients of fixed-size ones, on ranks of very different lengths."""
 
 from __future__ import annotations
@@ -492,6 +493,7 @@ def _drop_worker(rank, world, port, tiny_path, out_dir):
         out[mode] = {"dropped": grads(dropped, mode), "without": grads(kept, mode),
                      "not_dropped": grads(grouped_batch(), mode)}
     # every group flat and kept (drop=False): counted, left in the loss, and the step is taken
+    learner.cfg.algo.loss_agg = "token_mean"  # the default
     flat = grouped_batch()
     flat.rewards[:] = 0.0
     flat.advantages = grpo_advantages(flat.rewards, 4)
@@ -504,7 +506,8 @@ def _drop_worker(rank, world, port, tiny_path, out_dir):
 def test_dropping_flat_groups_equals_training_without_them(ranks, tiny_path, tmp_path):
     """Flat groups dropped give the gradient of the batch without them, in every loss
     aggregation; kept (``drop=False``), they dilute it; a batch of only flat groups kept still
-    takes its optimizer step, with a zero gradient (the whole run: tests/integration/test_train.py)."""
+    takes its optimizer step, with a zero gradient (every group dropped, in a whole run:
+    tests/integration/test_train.py)."""
     ranks.run(_drop_worker, (1, free_port(), tiny_path, str(tmp_path)))
     g = torch.load(os.path.join(tmp_path, "drop_grads.pt"))
     # all flat, kept: the optimizer step runs, on a gradient that is exactly zero
