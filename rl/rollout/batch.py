@@ -3,9 +3,9 @@
 ``build_batch`` turns the rollout function's samples (``rl.rollout.functions``) into a
 ``RolloutBatch``: tokens, loss masks and log-probs exactly as sampled, rewards, GRPO
 advantages (``grpo_advantages``), and each sample's weight version, the oldest it saw
-(``sample_weight_version``); ``zero_std_groups`` counts (and may mask) the groups without a
-learning signal; ``split_balanced`` splits the batch over the learner ranks;
-``encode_prompt`` turns a prompt's text into the token ids the engines get.
+(``sample_weight_version``; ``is_partial``: tokens from more than one); ``zero_std_groups``
+counts (and may mask) the groups without a learning signal; ``split_balanced`` splits the
+batch over the learner ranks; ``encode_prompt`` turns a prompt's text into the token ids the engines get.
 """
 
 from __future__ import annotations
@@ -98,20 +98,34 @@ def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
         finish_reason=reasons, label=labels)
 
 
-def sample_weight_version(meta: dict) -> int:
-    """The oldest weight version an answer was generated with (-1: an engine not yet synced).
+def answer_weight_versions(meta: dict) -> list[int]:
+    """The weight versions an answer's output tokens were generated with, in token order (-1:
+    an engine not yet synced).
 
     SGLang (0.5.23, ``utils/weight_versions.py``) sets ``meta_info.weight_version`` to the
     newest version a request saw, and lists every version with the output tokens it
     produced in ``meta_info.weight_versions`` (``{version, start, end}`` spans, one per
-    version, in token order). A request begun under v and finished under v + 1 (a sync
-    while it was retracted or paused in place) counts as v: staleness is bounded by the
-    oldest tokens a sample holds. Servers without the spans (older releases) give the one
-    ``weight_version``."""
+    version, in token order; a version under which the request produced no visible token has
+    no span). Servers without the spans (older releases) give the one ``weight_version``."""
     spans = meta.get("weight_versions")
     if spans:
-        return min(_version_number(span["version"]) for span in spans)
-    return _version_number(meta.get("weight_version"))
+        return [_version_number(span["version"]) for span in spans]
+    return [_version_number(meta.get("weight_version"))]
+
+
+def sample_weight_version(meta: dict) -> int:
+    """The oldest weight version an answer was generated with (``answer_weight_versions``). A
+    request begun under v and finished under v + 1 (a sync while it was retracted or paused
+    in place) counts as v: staleness is bounded by the oldest tokens a sample holds."""
+    return min(answer_weight_versions(meta))
+
+
+def is_partial(sample: Sample) -> bool:
+    """Whether a sample's tokens come from more than one weight version: a request that a sync
+    interrupted and that finished under the new weights (a partial rollout), or a multi-turn
+    sample whose turns were answered under different versions. Counted in
+    ``rollout/partial_frac``."""
+    return len({v for meta in sample.meta_info for v in answer_weight_versions(meta)}) > 1
 
 
 def _version_number(v) -> int:

@@ -295,7 +295,7 @@ def test_a_sync_while_retracted_splits_answers_between_versions(server, tiny_pat
     old version in a batch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rl.rollout.batch import sample_weight_version
+    from rl.rollout.batch import answer_weight_versions, sample_weight_version
 
     old_model = load_model(tiny_path)
     new_model = load_model(tiny_path)
@@ -342,6 +342,7 @@ def test_a_sync_while_retracted_splits_answers_between_versions(server, tiny_pat
         assert [(w.version, w.start, w.end) for w in _sglang_answer(ans).meta_info.weight_versions] == \
             [("10", 0, k), ("11", k, 100)]
         assert meta["num_retractions"] == 1 and sample_weight_version(meta) == 10
+        assert answer_weight_versions(meta) == [10, 11]  # a partial rollout (rollout/partial_frac)
         got = torch.tensor([x[0] for x in meta["output_token_logprobs"]])
         for model, part in ((old_model, slice(0, k)), (new_model, slice(k, None))):
             with torch.no_grad():

@@ -97,6 +97,7 @@ def test_dropping_every_flat_group_skips_the_update_and_still_logs(tmp_path):
         assert all(isinstance(r[k], float) and np.isfinite(r[k]) for k in REQUIRED), r
         assert r["rollout/reward_mean"] == 0.0 and r["rollout/reward_std"] == 0.0 == r["rollout/solved_frac"]
         assert r["rollout/zero_std_groups"] == FLAT_PROMPTS, r
+        assert r["rollout/partial_frac"] == 0.0, r  # train.py syncs only between rollouts
         assert r["train/optimizer_steps"] == 0, r
         assert r["train/loss"] == 0.0 and r["train/grad_norm"] == 0.0, r
         assert r["transfer/bytes"] > 0 and r["weights/bytes"] > 0  # stored and synced as ever

@@ -20,7 +20,7 @@ REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/upda
             "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl",
             "train/clipfrac", "train/grad_norm", "train/tokens_per_s", "weights/bytes",
             "train/approx_kl", "train/entropy", "train/optimizer_steps", "perf/old_logp_time",
-            "rollout/zero_std_groups", "rollout/solved_frac"]
+            "rollout/zero_std_groups", "rollout/solved_frac", "rollout/partial_frac"]
 
 
 def train(*overrides: str, timeout: float = 600, own_ray: bool = False) -> subprocess.CompletedProcess:

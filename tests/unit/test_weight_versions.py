@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.rollout.batch import build_batch, sample_weight_version
+from rl.rollout.batch import answer_weight_versions, build_batch, is_partial, sample_weight_version
 from rl.rollout.engines import weight_versions as ours
 from rl.rollout.functions import Sample
 from rl.tasks import Prompt
@@ -65,10 +65,13 @@ def _sync(wv, live: list[Request], old: str) -> None:
     wv.record_weight_version_events(live, old_version=old)
 
 
+def _sample(meta: dict) -> Sample:
+    return Sample.from_answer([1, 2, 3], {"text": "x", "meta_info": meta,
+                                          "output_ids": [t for _, t, _ in meta["output_token_logprobs"]]})
+
+
 def _batch(metas: list[dict]):
-    samples = [[Sample.from_answer([1, 2, 3], {"text": "x", "meta_info": m,
-                                               "output_ids": [t for _, t, _ in m["output_token_logprobs"]]})
-                for m in metas]]
+    samples = [[_sample(m) for m in metas]]
     return build_batch([Prompt(text="q", label="a", index=0)], samples,
                        lambda text, label, finished: 0.0, group_size=len(metas), std_norm=True,
                        first_sample_id=0)
@@ -91,6 +94,26 @@ def test_a_sample_begun_under_v_and_finished_under_v_plus_1_counts_as_v(wv):
     batch = _batch(metas)
     np.testing.assert_array_equal(batch.weight_version, [3, 3, 4])  # ... the batch the oldest
     assert batch.response_len.tolist() == [4, 9, 6]
+    assert [answer_weight_versions(m) for m in metas] == [[3], [3, 4], [4]]
+    assert [is_partial(_sample(m)) for m in metas] == [False, True, False]  # rollout/partial_frac
+
+
+def test_a_sample_is_partial_when_its_tokens_come_from_two_versions(wv):
+    """``is_partial`` (``rollout/partial_frac``): a request whose tokens span a sync, or a
+    multi-turn sample whose turns were answered under different versions; not a request the
+    sync found with no output yet (SGLang gives it one span), nor turns of one version."""
+    waiting, turn = Request(), Request()
+    _sync(wv, [waiting], old="3")  # queued, no output at the sync
+    waiting.decode(3)
+    turn.decode(2)
+    first, later = _finish(wv, turn, "3"), _finish(wv, waiting, "4")
+    assert answer_weight_versions(later) == [4] and not is_partial(_sample(later))
+    two_turns = _sample(first)
+    assert not is_partial(two_turns)
+    two_turns.meta_info.append(later)  # a second turn, answered after the sync
+    assert is_partial(two_turns)
+    two_turns.meta_info[-1] = _finish(wv, Request(), "3")
+    assert not is_partial(two_turns)
 
 
 def test_two_syncs_during_one_sample_count_the_first(wv):
