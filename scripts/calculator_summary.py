@@ -16,22 +16,18 @@ equal to the call's second operand too (the usual wrong copy).
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 
 import numpy as np
 
+from rl.driver.metrics import read_metrics, summary_cli
 from rl.tasks.builtin import calculator_dump_stats
 
 
 def summarise(path: str) -> dict:
-    metrics = path if path.endswith(".jsonl") else os.path.join(path, "metrics.jsonl")
-    with open(metrics) as f:
-        rows = [json.loads(line) for line in f]
-    if not rows:
-        raise SystemExit(f"{metrics}: no steps logged")
+    rows = read_metrics(path)
     evals = [r for r in rows if "eval/reward_mean" in r]
     pass_key = next((k for k in (evals[-1] if evals else {}) if k.startswith("eval/pass@")), None)
     out = {"run": os.path.basename(path.rstrip("/")), "steps": len(rows),
@@ -61,15 +57,5 @@ def row(s: dict) -> str:
             f"{s['entropy_last10']:.2f} | {ev} | {last} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", help="a run's output_dir, or its metrics.jsonl")
-    parser.add_argument("--json", action="store_true", help="every figure, one JSON object per run")
-    args = parser.parse_args()
-    for path in args.paths:
-        s = summarise(path)
-        print(json.dumps(s) if args.json else row(s))
-
-
 if __name__ == "__main__":
-    main()
+    summary_cli(__doc__, summarise, row)

@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
 import math
 import os
+from typing import Callable
 
 from rl.config import Config
 from rl.runtime import Runtime
 
 logger = logging.getLogger(__name__)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows a run logged, one per step: ``path`` is its ``output_dir`` or a metrics.jsonl."""
+    metrics = path if path.endswith(".jsonl") else os.path.join(path, "metrics.jsonl")
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f]
+    if not rows:
+        raise SystemExit(f"{metrics}: no steps logged")
+    return rows
+
+
+def summary_cli(doc: str, summarise: Callable[[str], dict], row: Callable[[dict], str]) -> None:
+    """The command line of the scripts that print a table row per run (scripts/*_summary.py):
+    paths of runs (an ``output_dir`` or a metrics.jsonl) -> ``row(summarise(path))`` each, or
+    with ``--json`` every figure as a JSON object."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", help="a run's output_dir, or its metrics.jsonl")
+    parser.add_argument("--json", action="store_true", help="every figure, one JSON object per run")
+    args = parser.parse_args()
+    for path in args.paths:
+        s = summarise(path)
+        print(json.dumps(s) if args.json else row(s))
 
 class MetricsLogger:
     def __init__(self, cfg: Config, runtime: Runtime) -> None:

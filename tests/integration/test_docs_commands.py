@@ -24,6 +24,10 @@ from tests.support.docs import (LANGS, console_sessions, doc_commands, doc_pages
 from tests.support.env import REPO, compose
 
 TRAIN_SCRIPTS = ("train.py", "train_async.py")
+SUMMARIES = {"scripts/calculator_summary.py": ("rollout.md", -1),
+             "scripts/curve_summary.py": ("async.md", None)}
+"""Scripts that print rows of a page's table from the runs kept in docs/runs: the page, and
+the column (from the end) where the figures checked against the page stop (None: the last)."""
 MAKE_TARGETS = set(re.findall(r"^([\w-]+):", open(os.path.join(REPO, "Makefile")).read(), re.M))
 
 
@@ -107,19 +111,20 @@ def _python(args: list[str], tmp_path, request) -> None:
         proc = _run([sys.executable, os.path.join(REPO, script), str(src), str(dst)], str(tmp_path))
         assert proc.returncode == 0, proc.stderr
         assert json.loads(dst.read_text())["label"] == "2"
-    elif script == "scripts/calculator_summary.py":  # run for real on the runs kept in docs/runs
+    elif script in SUMMARIES:  # run for real on the runs kept in docs/runs
+        page, last = SUMMARIES[script]
         paths = [a for a in args[1:] if not a.startswith("--")]
         proc = _run([sys.executable, os.path.join(REPO, script), *(os.path.join(REPO, a) for a in paths)],
                     str(tmp_path))
         assert proc.returncode == 0, proc.stderr
         printed = proc.stdout.splitlines()
         assert len(printed) == len(paths), proc.stdout
-        # each row's figures (all but the name and the dump's column) are a row of the page's table
-        cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")][1:-1]  # noqa: E731
-        with open(os.path.join(REPO, "docs", "rollout.md")) as f:
+        # each row's figures (all but the name, and the columns from `last` on) are a row of the page
+        cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")][1:last]  # noqa: E731
+        with open(os.path.join(REPO, "docs", page)) as f:
             rows = [cells(line) for line in f if line.startswith("| ")]
         for line in printed:
-            assert cells(line) in rows, f"{line} is no row of docs/rollout.md"
+            assert cells(line) in rows, f"{line} is no row of docs/{page}"
     elif script.startswith(("scripts/plot", "benchmarks/plot")):  # run for real; figures to tmp
         argv = [str(tmp_path / os.path.basename(a)) if a.endswith(".png") else os.path.join(REPO, a)
                 for a in args[1:]]

@@ -1,0 +1,56 @@
+"""Summarise reward curves of 200-step runs as rows of the tables in docs/async.md.
+
+Per run (steps counted from 1): the mean reward (`rollout/reward_mean`) over steps 1-10,
+91-100 and 181-200; the first step at which the mean of the last 5 steps reaches 0.5; the
+mean staleness of the trained samples (`async/staleness_mean`, 0 in train.py); the samples
+dropped as too stale (`async/dropped_samples`, summed); and the partial rollouts trained,
+samples whose tokens came from two weight versions (`rollout/partial_frac` x `train/samples`,
+summed; "-" for runs logged before that metric existed).
+
+    python scripts/curve_summary.py docs/runs/repeat_count_sync_metrics.jsonl outputs/my_run
+
+A path is a run's `output_dir` or its metrics.jsonl. `--json` prints every figure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from rl.driver.metrics import read_metrics, summary_cli
+
+WINDOWS = ((1, 10), (91, 100), (181, 200))
+"""Steps (from 1, both ends included) whose mean reward is reported."""
+THRESHOLD, SMOOTH = 0.5, 5
+"""The reward the mean of the last ``SMOOTH`` steps must first reach."""
+
+
+def summarise(path: str) -> dict:
+    rows = read_metrics(path)
+    if len(rows) < WINDOWS[-1][1]:
+        raise SystemExit(f"{path}: {len(rows)} steps logged, the summary reads {WINDOWS[-1][1]}")
+    reward = np.array([r["rollout/reward_mean"] for r in rows])
+    smooth = np.convolve(reward, np.ones(SMOOTH) / SMOOTH, mode="valid")  # smooth[i]: steps i+1 .. i+SMOOTH
+    reached = np.flatnonzero(smooth >= THRESHOLD)
+    partial = ([r["rollout/partial_frac"] * r["train/samples"] for r in rows]
+               if all("rollout/partial_frac" in r for r in rows) else None)
+    return {"run": os.path.basename(path.rstrip("/")), "steps": len(rows),
+            **{f"reward_{a}_{b}": float(reward[a - 1:b].mean()) for a, b in WINDOWS},
+            "first_step_smoothed_at_threshold": int(reached[0]) + SMOOTH if len(reached) else None,
+            "staleness_mean": float(np.mean([r.get("async/staleness_mean", 0.0) for r in rows])),
+            "dropped": int(sum(r.get("async/dropped_samples", 0) for r in rows)),
+            "trained": int(sum(r["train/samples"] for r in rows)),
+            "partial": None if partial is None else int(round(sum(partial)))}
+
+
+def row(s: dict) -> str:
+    rewards = " | ".join(f"{s[f'reward_{a}_{b}']:.3f}" for a, b in WINDOWS)
+    first = s["first_step_smoothed_at_threshold"]
+    partial = "-" if s["partial"] is None else str(s["partial"])
+    return (f"| {s['run']} | {rewards} | {f'step {first}' if first else '-'} | "
+            f"{s['staleness_mean']:.2f} | {s['dropped']} | {partial} |")
+
+
+if __name__ == "__main__":
+    summary_cli(__doc__, summarise, row)

@@ -1,0 +1,52 @@
+"""scripts/curve_summary.py on metrics written by hand: the windows, the first step whose
+5-step mean reaches 0.5, and the partial rollouts summed from ``rollout/partial_frac``. Its
+rows against the runs kept in docs/runs: tests/integration/test_docs_commands.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def summary():
+    spec = importlib.util.spec_from_file_location("curve_summary",
+                                                  os.path.join(REPO, "scripts", "curve_summary.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(path, rewards, partial=None, **extra):
+    with open(path, "w") as f:
+        for i, r in enumerate(rewards):
+            row = {"step": i, "rollout/reward_mean": r, "train/samples": 100.0, **extra}
+            if partial is not None:
+                row["rollout/partial_frac"] = partial(i)
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def test_windows_first_step_and_partial_samples(summary, tmp_path):
+    # steps 1-100 at 0, then 0.7: the mean of steps 100-104 is the first >= 0.5 (4 x 0.7 / 5)
+    rewards = [0.0] * 100 + [0.7] * 100
+    path = _write(tmp_path / "m.jsonl", rewards, partial=lambda i: 0.05 if i in (3, 150) else 0.0,
+                  **{"async/staleness_mean": 1.0, "async/dropped_samples": 2.0})
+    s = summary.summarise(path)
+    assert s["reward_1_10"] == 0.0 == s["reward_91_100"] and s["reward_181_200"] == pytest.approx(0.7)
+    assert s["first_step_smoothed_at_threshold"] == 104
+    assert (s["staleness_mean"], s["dropped"], s["trained"], s["partial"]) == (1.0, 400, 20000, 10)
+    assert summary.row(s) == "| m.jsonl | 0.000 | 0.000 | 0.700 | step 104 | 1.00 | 400 | 10 |"
+
+
+def test_runs_before_the_partial_metric_and_short_runs(summary, tmp_path):
+    s = summary.summarise(_write(tmp_path / "old.jsonl", [0.2] * 200))
+    assert s["partial"] is None and s["first_step_smoothed_at_threshold"] is None
+    assert summary.row(s).endswith("| - | 0.00 | 0 | - |")
+    with pytest.raises(SystemExit, match="150 steps logged, the summary reads 200"):
+        summary.summarise(_write(tmp_path / "short.jsonl", [0.2] * 150))
