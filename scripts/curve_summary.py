@@ -3,9 +3,10 @@
 Per run (steps counted from 1): the mean reward (`rollout/reward_mean`) over steps 1-10,
 91-100 and 181-200; the first step at which the mean of the last 5 steps reaches 0.5; the
 mean staleness of the trained samples (`async/staleness_mean`, 0 in train.py); the samples
-dropped as too stale (`async/dropped_samples`, summed); and the partial rollouts trained,
-samples whose tokens came from two weight versions (`rollout/partial_frac` x `train/samples`,
-summed; "-" for runs logged before that metric existed).
+dropped as too stale (`async/dropped_samples`, summed); and the partial rollouts, samples
+whose tokens came from two weight versions, in percent of the samples generated (the mean
+of `rollout/partial_frac`, every batch being the same size; "-" for runs logged before that
+metric existed).
 
     python scripts/curve_summary.py docs/runs/repeat_count_sync_metrics.jsonl outputs/my_run
 
@@ -33,7 +34,7 @@ def summarise(path: str) -> dict:
     reward = np.array([r["rollout/reward_mean"] for r in rows])
     smooth = np.convolve(reward, np.ones(SMOOTH) / SMOOTH, mode="valid")  # smooth[i]: steps i+1 .. i+SMOOTH
     reached = np.flatnonzero(smooth >= THRESHOLD)
-    partial = ([r["rollout/partial_frac"] * r["train/samples"] for r in rows]
+    partial = (100 * float(np.mean([r["rollout/partial_frac"] for r in rows]))
                if all("rollout/partial_frac" in r for r in rows) else None)
     return {"run": os.path.basename(path.rstrip("/")), "steps": len(rows),
             **{f"reward_{a}_{b}": float(reward[a - 1:b].mean()) for a, b in WINDOWS},
@@ -41,13 +42,13 @@ def summarise(path: str) -> dict:
             "staleness_mean": float(np.mean([r.get("async/staleness_mean", 0.0) for r in rows])),
             "dropped": int(sum(r.get("async/dropped_samples", 0) for r in rows)),
             "trained": int(sum(r["train/samples"] for r in rows)),
-            "partial": None if partial is None else int(round(sum(partial)))}
+            "partial_pct": partial}
 
 
 def row(s: dict) -> str:
     rewards = " | ".join(f"{s[f'reward_{a}_{b}']:.3f}" for a, b in WINDOWS)
     first = s["first_step_smoothed_at_threshold"]
-    partial = "-" if s["partial"] is None else str(s["partial"])
+    partial = "-" if s["partial_pct"] is None else f"{s['partial_pct']:.2f}"
     return (f"| {s['run']} | {rewards} | {f'step {first}' if first else '-'} | "
             f"{s['staleness_mean']:.2f} | {s['dropped']} | {partial} |")
 

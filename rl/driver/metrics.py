@@ -38,6 +38,7 @@ def summary_cli(doc: str, summarise: Callable[[str], dict], row: Callable[[dict]
         s = summarise(path)
         print(json.dumps(s) if args.json else row(s))
 
+
 class MetricsLogger:
     def __init__(self, cfg: Config, runtime: Runtime) -> None:
         self.cfg = cfg

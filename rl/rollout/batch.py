@@ -3,7 +3,7 @@
 ``build_batch`` turns the rollout function's samples (``rl.rollout.functions``) into a
 ``RolloutBatch``: tokens, loss masks and log-probs exactly as sampled, rewards, GRPO
 advantages (``grpo_advantages``), and each sample's weight version, the oldest it saw
-(``sample_weight_version``; ``is_partial``: tokens from more than one); ``zero_std_groups``
+(``sample_weight_version``; ``is_partial``, ``partial_frac``: tokens from more than one); ``zero_std_groups``
 counts (and may mask) the groups without a learning signal; ``split_balanced`` splits the
 batch over the learner ranks; ``encode_prompt`` turns a prompt's text into the token ids the engines get.
 """
@@ -123,9 +123,15 @@ def sample_weight_version(meta: dict) -> int:
 def is_partial(sample: Sample) -> bool:
     """Whether a sample's tokens come from more than one weight version: a request that a sync
     interrupted and that finished under the new weights (a partial rollout), or a multi-turn
-    sample whose turns were answered under different versions. Counted in
-    ``rollout/partial_frac``."""
+    sample whose turns were answered under different versions. A server without the spans
+    reports a request's newest version only, so there only the second kind is seen."""
     return len({v for meta in sample.meta_info for v in answer_weight_versions(meta)}) > 1
+
+
+def partial_frac(groups: list[list[Sample]]) -> float:
+    """``rollout/partial_frac``: the share of the samples that are partial (``is_partial``)."""
+    flags = [is_partial(s) for group in groups for s in group]
+    return sum(flags) / len(flags) if flags else 0.0
 
 
 def _version_number(v) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from rl.backends import data_path
 from rl.config import Config
 from rl.model import load_tokenizer
-from rl.rollout.batch import build_batch, encode_prompt, is_partial, split_balanced, zero_std_groups
+from rl.rollout.batch import build_batch, encode_prompt, partial_frac, split_balanced, zero_std_groups
 from rl.rollout.client import EngineError
 from rl.rollout.dump import dump_path, dump_samples
 from rl.rollout.fanout import EnginePool, run_groups
@@ -176,7 +176,7 @@ class RolloutManager:
             "rollout/samples_per_s": len(batch) / max(gen_s, 1e-9),
             "rollout/weight_version_min": float(batch.weight_version.min()),
             "rollout/weight_version_mean": float(batch.weight_version.mean()),
-            "rollout/partial_frac": float(np.mean([is_partial(s) for g in groups for s in g])),
+            "rollout/partial_frac": partial_frac(groups),
             "rollout/engine_busy_s": self.pool.busy_seconds(),
             "rollout/engines": float(len(self.pool.inflight)),
             "rollout/started_at": started,

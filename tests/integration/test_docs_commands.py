@@ -119,12 +119,15 @@ def _python(args: list[str], tmp_path, request) -> None:
         assert proc.returncode == 0, proc.stderr
         printed = proc.stdout.splitlines()
         assert len(printed) == len(paths), proc.stdout
-        # each row's figures (all but the name, and the columns from `last` on) are a row of the page
+        # the rows' figures (all but the name, and the columns from `last` on) are rows of the
+        # page's table, in the command's order, one after the other
         cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")][1:last]  # noqa: E731
         with open(os.path.join(REPO, "docs", page)) as f:
             rows = [cells(line) for line in f if line.startswith("| ")]
-        for line in printed:
-            assert cells(line) in rows, f"{line} is no row of docs/{page}"
+        got = [cells(line) for line in printed]
+        assert got[0] in rows, f"{printed[0]} is no row of docs/{page}"
+        first = rows.index(got[0])
+        assert rows[first:first + len(got)] == got, f"{proc.stdout} are not rows of docs/{page}, in order"
     elif script.startswith(("scripts/plot", "benchmarks/plot")):  # run for real; figures to tmp
         argv = [str(tmp_path / os.path.basename(a)) if a.endswith(".png") else os.path.join(REPO, a)
                 for a in args[1:]]

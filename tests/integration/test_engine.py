@@ -295,7 +295,8 @@ def test_a_sync_while_retracted_splits_answers_between_versions(server, tiny_pat
     old version in a batch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rl.rollout.batch import answer_weight_versions, sample_weight_version
+    from rl.rollout.batch import is_partial, sample_weight_version
+    from rl.rollout.functions import Sample
 
     old_model = load_model(tiny_path)
     new_model = load_model(tiny_path)
@@ -336,13 +337,14 @@ def test_a_sync_while_retracted_splits_answers_between_versions(server, tiny_pat
         assert spans[-1]["end"] == len(out) == 100 and meta["weight_version"] == spans[-1]["version"]
         if [s["version"] for s in spans] != ["10", "11"]:
             assert [s["version"] for s in spans] == ["10"]  # done before the pause caught it
+            assert not is_partial(Sample.from_answer(prompt, ans))
             continue
         straddling += 1
         k = spans[0]["end"]
         assert [(w.version, w.start, w.end) for w in _sglang_answer(ans).meta_info.weight_versions] == \
             [("10", 0, k), ("11", k, 100)]
         assert meta["num_retractions"] == 1 and sample_weight_version(meta) == 10
-        assert answer_weight_versions(meta) == [10, 11]  # a partial rollout (rollout/partial_frac)
+        assert is_partial(Sample.from_answer(prompt, ans))  # counted in rollout/partial_frac
         got = torch.tensor([x[0] for x in meta["output_token_logprobs"]])
         for model, part in ((old_model, slice(0, k)), (new_model, slice(k, None))):
             with torch.no_grad():

@@ -1,5 +1,5 @@
 """scripts/curve_summary.py on metrics written by hand: the windows, the first step whose
-5-step mean reaches 0.5, and the partial rollouts summed from ``rollout/partial_frac``. Its
+5-step mean reaches 0.5, and the share of partial rollouts from ``rollout/partial_frac``. Its
 rows against the runs kept in docs/runs: tests/integration/test_docs_commands.py."""
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ def test_windows_first_step_and_partial_samples(summary, tmp_path):
     s = summary.summarise(path)
     assert s["reward_1_10"] == 0.0 == s["reward_91_100"] and s["reward_181_200"] == pytest.approx(0.7)
     assert s["first_step_smoothed_at_threshold"] == 104
-    assert (s["staleness_mean"], s["dropped"], s["trained"], s["partial"]) == (1.0, 400, 20000, 10)
-    assert summary.row(s) == "| m.jsonl | 0.000 | 0.000 | 0.700 | step 104 | 1.00 | 400 | 10 |"
+    assert (s["staleness_mean"], s["dropped"], s["trained"]) == (1.0, 400, 20000)
+    assert s["partial_pct"] == pytest.approx(0.05)  # 2 steps of 200 at 5 %
+    assert summary.row(s) == "| m.jsonl | 0.000 | 0.000 | 0.700 | step 104 | 1.00 | 400 | 0.05 |"
 
 
 def test_runs_before_the_partial_metric_and_short_runs(summary, tmp_path):
     s = summary.summarise(_write(tmp_path / "old.jsonl", [0.2] * 200))
-    assert s["partial"] is None and s["first_step_smoothed_at_threshold"] is None
+    assert s["partial_pct"] is None and s["first_step_smoothed_at_threshold"] is None
     assert summary.row(s).endswith("| - | 0.00 | 0 | - |")
     with pytest.raises(SystemExit, match="150 steps logged, the summary reads 200"):
         summary.summarise(_write(tmp_path / "short.jsonl", [0.2] * 150))

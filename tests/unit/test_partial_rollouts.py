@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rl.model import eos_token_ids, load_model, load_tokenizer
-from rl.rollout.batch import build_batch
+from rl.rollout.batch import build_batch, is_partial, partial_frac
 from rl.rollout.functions import Sample
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.protocol import Generate, answer
@@ -214,6 +214,9 @@ def test_retract_resumes_a_request_under_the_new_weights(tiny_path, models, wv):
                         first_sample_id=0)
     np.testing.assert_array_equal(batch.weight_version, [1, 1, 2])  # the oldest version seen
     np.testing.assert_array_equal(batch.rollout_logprobs[0], np.float32(long.logprobs))
+    # the retracted request is the group's one partial rollout (rollout/partial_frac)
+    assert [is_partial(s) for s in samples[0]] == [True, False, False]
+    assert partial_frac(samples) == pytest.approx(1 / 3)
 
 
 def test_in_place_decodes_on_with_the_new_weights_over_the_old_kv_cache(tiny_path, models, wv):
