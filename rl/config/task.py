@@ -79,12 +79,19 @@ class AdditionTaskConfig(TaskConfig):
 class CalculatorTaskConfig(TaskConfig):
     name: str = "calculator"
     max_value: int = 4
-    """Largest operand of the sum (4: sums of one digit; the tiny model on CPU makes right
-    calls within 150 steps and answers a third to a half of the samples right within 250;
-    docs/rollout.md)."""
+    """Largest operand of the sum (4: sums of one digit; the tiny model on CPU learns to call
+    the tool with the operands copied within 250 steps, and to copy the tool's result into its
+    answer in some runs, not all: docs/rollout.md, "Over seeds")."""
+    copy_credit: float = 0.0
+    """Reward for an answer that copies the tool's result after a sum with one right operand,
+    times its right characters (0: none, the default; the answer of a right call earns 0.5).
+    Tried at 0.25 and 0.1, not adopted: docs/rollout.md, "Over seeds"."""
 
     def __post_init__(self) -> None:
         positive(self, "max_value")
+        if not 0.0 <= self.copy_credit <= 0.5:
+            raise ValueError(f"task.copy_credit={self.copy_credit} must be within [0, 0.5] (the answer "
+                             f"of a right call earns 0.5)")
 
     def check_rollout(self, rollout: "RolloutConfig") -> None:
         # a call (``99+99=``), the tool's result and a space (``198 ``) and the answer

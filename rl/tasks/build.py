@@ -32,7 +32,7 @@ def addition_task(cfg: AdditionTaskConfig) -> AdditionTask:
 
 
 def calculator_task(cfg: CalculatorTaskConfig) -> CalculatorTask:
-    return CalculatorTask(max_value=cfg.max_value, seed=cfg.seed)
+    return CalculatorTask(max_value=cfg.max_value, seed=cfg.seed, copy_credit=cfg.copy_credit)
 
 
 def jsonl_task(cfg: JsonlTaskConfig) -> JsonlTask:

@@ -169,12 +169,15 @@ class CalculatorTask(_StreamTask):
     (``calculator_transcript``), 0 without an end-of-sequence token or without a call: a call
     the calculator reads earns 0.2 and 0.15 for each right operand (one it cannot read, a
     fifth of its right characters), the answer half its right characters against the sum when
-    the call's result was the sum. 1 for the right call and answer; the partial credit is what
-    lets a model that has never seen a call learn to make one (docs/rollout.md)."""
+    the call's result was the sum (with ``copy_credit``, also ``copy_credit`` times its right
+    characters against the tool's result after a sum with one right operand). 1 for the right
+    call and answer; the partial credit is what lets a model that has never seen a call learn
+    to make one (docs/rollout.md)."""
 
-    def __init__(self, max_value: int = 4, seed: int = 0) -> None:
+    def __init__(self, max_value: int = 4, seed: int = 0, copy_credit: float = 0.0) -> None:
         super().__init__(seed)
         self.max_value = max_value
+        self.copy_credit = copy_credit
 
     def make(self, rng: random.Random) -> tuple[str, str]:
         a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
@@ -190,5 +193,10 @@ class CalculatorTask(_StreamTask):
         m, (a, b) = _CALL.match(call), label.split("+")
         if m is None:  # a call the calculator cannot read: credit for its right characters
             return 0.2 * char_credit(call.strip(), label)
-        call_credit = 0.2 + 0.15 * (m.group(1) == a) + 0.15 * (m.group(3) == b)
-        return call_credit + (0.5 * char_credit(answer.strip(), want) if result == want else 0.0)
+        right = (m.group(1) == a) + (m.group(3) == b)
+        call_credit = 0.2 + 0.15 * right
+        if result == want:
+            return call_credit + 0.5 * char_credit(answer.strip(), want)
+        if self.copy_credit and right == 1 and m.group(2) == "+":  # a sum with one operand right
+            return call_credit + self.copy_credit * char_credit(answer.strip(), result)
+        return call_credit

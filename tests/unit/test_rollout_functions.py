@@ -15,6 +15,7 @@ from rl.rollout.batch import build_batch, zero_std_groups
 from rl.rollout.dump import dump_path, dump_samples
 from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load, score
 from rl.tasks import Prompt
+from rl.tasks.build import build_task
 from rl.tasks.builtin import CalculatorTask, calculator, calculator_transcript, parse_calculator_transcript
 from tests.support.env import compose
 
@@ -153,6 +154,14 @@ def test_calculator_tool_and_task():
     assert parse_calculator_transcript("2+3=5 2+4=6 6") == ([("2+3", "5")], "2+4=6 6")  # one call
     assert t.reward("2+3=5 2+4=6 6", "2+3", True) == 0.5
     assert t.reward(calculator_transcript([("2+3", "5")], "51"), "2+3", True) == pytest.approx(0.75)
+    # task.copy_credit: copying the result after a sum with one right operand earns it
+    copying = CalculatorTask(seed=1, copy_credit=0.25)
+    assert copying.reward("2+4=6 6", "2+3", True) == pytest.approx(0.6)
+    assert t.reward("2+4=6 6", "2+3", True) == pytest.approx(0.35)  # the default: nothing
+    assert copying.reward("2+4=6 5", "2+3", True) == pytest.approx(0.35)  # not the tool's result
+    assert copying.reward("2*3=6 6", "2+3", True) == pytest.approx(0.5)  # not a sum: nothing
+    assert copying.reward("4+4=8 8", "2+3", True) == pytest.approx(0.2)  # no operand right: nothing
+    assert copying.reward("2+3=5 5", "2+3", True) == 1.0
     # a call it cannot read: a fifth of its right characters
     assert t.reward(calculator_transcript([("1+", "error")], "3"), "1+2", True) == pytest.approx(0.2 * 2 / 3)
     assert parse_calculator_transcript("1+2=error 3") == ([("1+2", "error")], "3")
@@ -264,7 +273,12 @@ def test_rollout_function_config():
         compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool")
     cfg = compose("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
                   "rollout.max_new_tokens=16")
-    assert (cfg.task.name, cfg.task.max_value) == ("calculator", 4)
+    assert (cfg.task.name, cfg.task.max_value, cfg.task.copy_credit) == ("calculator", 4, 0.0)
+    calc = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
+            "rollout.max_new_tokens=16")
+    assert build_task(compose(*calc, "task.copy_credit=0.25").task).copy_credit == 0.25
+    with pytest.raises(ValueError, match=r"task.copy_credit=0.6 must be within \[0, 0.5\]"):
+        compose(*calc, "task.copy_credit=0.6")
 
 
 def test_calculator_dump_stats_read_calls_operands_and_copied_answers():
