@@ -9,9 +9,11 @@ finished answers the fraction that copy the tool's result. Steps are counted fro
     python scripts/calculator_summary.py outputs/calc_s1 outputs/calc_s2
     python scripts/calculator_summary.py docs/runs/calculator_test_s5_metrics.jsonl
 
-A path is a run's `output_dir` (its metrics.jsonl and rollouts/) or a metrics.jsonl alone
-(then the last column reads "-"). `--json` prints every figure, the share of answers
-equal to the call's second operand too (the usual wrong copy).
+A path is a run's `output_dir` (its metrics.jsonl and rollouts/) or a metrics file; for
+`<name>_metrics.jsonl` the dumped samples are read from `<name>_dump.jsonl` beside it (as
+docs/runs keeps some runs' last dump), and without one the last column reads "-". `--json`
+prints every figure, the share of answers equal to the call's second operand too (the usual
+wrong copy).
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ def summarise(path: str) -> dict:
            "eval_step": evals[-1]["step"] + 1 if evals else None,
            "eval_reward": evals[-1]["eval/reward_mean"] if evals else None,
            "eval_pass": evals[-1][pass_key] if pass_key else None}
-    dumped = os.path.join(path, "rollouts", "step_*.jsonl")
-    dumps = [] if path.endswith(".jsonl") else sorted(glob.glob(dumped))
+    if path.endswith("_metrics.jsonl"):  # a run kept in docs/runs: its last dump beside it, if kept
+        dumps = [p for p in [path.removesuffix("_metrics.jsonl") + "_dump.jsonl"] if os.path.exists(p)]
+    else:
+        dumps = sorted(glob.glob(os.path.join(path, "rollouts", "step_*.jsonl")))
     if dumps:
         with open(dumps[-1]) as f:
             samples = [json.loads(line) for line in f]

@@ -79,13 +79,14 @@ class AdditionTaskConfig(TaskConfig):
 class CalculatorTaskConfig(TaskConfig):
     name: str = "calculator"
     max_value: int = 4
-    """Largest operand of the sum (4: sums of one digit; the tiny model on CPU learns to call
-    the tool with the operands copied within 250 steps, and to copy the tool's result into its
-    answer in some runs, not all: docs/rollout.md, "Over seeds")."""
+    """Largest operand of the sum (4: sums of one digit; within 250 steps the tiny model on CPU
+    learns to call the tool, with most operands right in most runs, and to copy the tool's
+    result into its answer in some runs, not all: docs/rollout.md, "Over seeds")."""
     copy_credit: float = 0.0
     """Reward for an answer that copies the tool's result after a sum with one right operand,
     times its right characters (0: none, the default; the answer of a right call earns 0.5).
-    Tried at 0.25 and 0.1, not adopted: docs/rollout.md, "Over seeds"."""
+    At 0.15 or more, such a call with a copied result outscores a right call with a wrong
+    answer. Tried at 0.25 and 0.1, not adopted: docs/rollout.md, "Over seeds"."""
 
     def __post_init__(self) -> None:
         positive(self, "max_value")

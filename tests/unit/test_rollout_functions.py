@@ -159,8 +159,10 @@ def test_calculator_tool_and_task():
     assert copying.reward("2+4=6 6", "2+3", True) == pytest.approx(0.6)
     assert t.reward("2+4=6 6", "2+3", True) == pytest.approx(0.35)  # the default: nothing
     assert copying.reward("2+4=6 5", "2+3", True) == pytest.approx(0.35)  # not the tool's result
-    assert copying.reward("2*3=6 6", "2+3", True) == pytest.approx(0.5)  # not a sum: nothing
+    assert copying.reward("2*4=8 8", "2+3", True) == pytest.approx(0.35)  # not a sum: nothing
     assert copying.reward("4+4=8 8", "2+3", True) == pytest.approx(0.2)  # no operand right: nothing
+    assert copying.reward("1+3=4 4", "2+3", True) == pytest.approx(0.6)  # the second operand right
+    assert copying.reward("9+3=12 13", "2+3", True) == pytest.approx(0.35 + 0.25 * 0.5)  # by character
     assert copying.reward("2+3=5 5", "2+3", True) == 1.0
     # a call it cannot read: a fifth of its right characters
     assert t.reward(calculator_transcript([("1+", "error")], "3"), "1+2", True) == pytest.approx(0.2 * 2 / 3)
@@ -277,8 +279,9 @@ def test_rollout_function_config():
     calc = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
             "rollout.max_new_tokens=16")
     assert build_task(compose(*calc, "task.copy_credit=0.25").task).copy_credit == 0.25
-    with pytest.raises(ValueError, match=r"task.copy_credit=0.6 must be within \[0, 0.5\]"):
-        compose(*calc, "task.copy_credit=0.6")
+    for bad in ("0.6", "-0.1"):
+        with pytest.raises(ValueError, match=rf"task.copy_credit={bad} must be within \[0, 0.5\]"):
+            compose(*calc, f"task.copy_credit={bad}")
 
 
 def test_calculator_dump_stats_read_calls_operands_and_copied_answers():
