@@ -62,4 +62,5 @@ def row(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    summary_cli(__doc__, summarise, row)
+    for line in summary_cli(__doc__, summarise, row):
+        print(line)

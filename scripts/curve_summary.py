@@ -10,7 +10,10 @@ metric existed).
 
     python scripts/curve_summary.py docs/runs/repeat_count_sync_metrics.jsonl outputs/my_run
 
-A path is a run's `output_dir` or its metrics.jsonl. `--json` prints every figure.
+A path is a run's `output_dir` or its metrics.jsonl. `--json` prints every figure, and by
+10 steps (steps 1-10, 11-20, ...) the mean reward, the share of loss tokens an importance
+mask took out (`train/is_masked_frac`, in percent) and the share of partial rollouts, with
+the steps that had any and the largest share of one step.
 """
 
 from __future__ import annotations
@@ -34,15 +37,22 @@ def summarise(path: str) -> dict:
     reward = np.array([r["rollout/reward_mean"] for r in rows])
     smooth = np.convolve(reward, np.ones(SMOOTH) / SMOOTH, mode="valid")  # smooth[i]: steps i+1 .. i+SMOOTH
     reached = np.flatnonzero(smooth >= THRESHOLD)
-    partial = (100 * float(np.mean([r["rollout/partial_frac"] for r in rows]))
+    partial = (100 * np.array([r["rollout/partial_frac"] for r in rows])
                if all("rollout/partial_frac" in r for r in rows) else None)
+    masked = 100 * np.array([r.get("train/is_masked_frac", 0.0) for r in rows])
+    by_10 = lambda x: [round(float(v), 4) for v in x[:len(x) // 10 * 10].reshape(-1, 10).mean(1)]  # noqa: E731
     return {"run": os.path.basename(path.rstrip("/")), "steps": len(rows),
             **{f"reward_{a}_{b}": float(reward[a - 1:b].mean()) for a, b in WINDOWS},
             "first_step_smoothed_at_threshold": int(reached[0]) + SMOOTH if len(reached) else None,
             "staleness_mean": float(np.mean([r.get("async/staleness_mean", 0.0) for r in rows])),
             "dropped": int(sum(r.get("async/dropped_samples", 0) for r in rows)),
             "trained": int(sum(r["train/samples"] for r in rows)),
-            "partial_pct": partial}
+            "partial_pct": None if partial is None else float(partial.mean()),
+            "partial_steps": None if partial is None else int((partial > 0).sum()),
+            "partial_max_pct": None if partial is None else float(partial.max()),
+            "masked_pct": float(masked.mean()),
+            "reward_by_10": by_10(reward), "masked_pct_by_10": by_10(masked),
+            "partial_pct_by_10": None if partial is None else by_10(partial)}
 
 
 def row(s: dict) -> str:
@@ -54,4 +64,5 @@ def row(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    summary_cli(__doc__, summarise, row)
+    for line in summary_cli(__doc__, summarise, row):
+        print(line)

@@ -8,7 +8,7 @@ import json
 import logging
 import math
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 from rl.config import Config
 from rl.runtime import Runtime
@@ -26,17 +26,17 @@ def read_metrics(path: str) -> list[dict]:
     return rows
 
 
-def summary_cli(doc: str, summarise: Callable[[str], dict], row: Callable[[dict], str]) -> None:
+def summary_cli(doc: str, summarise: Callable[[str], dict], row: Callable[[dict], str]) -> Iterator[str]:
     """The command line of the scripts that print a table row per run (scripts/*_summary.py):
-    paths of runs (an ``output_dir`` or a metrics.jsonl) -> ``row(summarise(path))`` each, or
-    with ``--json`` every figure as a JSON object."""
+    paths of runs (an ``output_dir`` or a metrics.jsonl) -> the lines to print,
+    ``row(summarise(path))`` each, or with ``--json`` every figure as a JSON object."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="a run's output_dir, or its metrics.jsonl")
     parser.add_argument("--json", action="store_true", help="every figure, one JSON object per run")
     args = parser.parse_args()
     for path in args.paths:
         s = summarise(path)
-        print(json.dumps(s) if args.json else row(s))
+        yield json.dumps(s) if args.json else row(s)
 
 
 class MetricsLogger:

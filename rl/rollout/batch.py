@@ -3,9 +3,10 @@
 ``build_batch`` turns the rollout function's samples (``rl.rollout.functions``) into a
 ``RolloutBatch``: tokens, loss masks and log-probs exactly as sampled, rewards, GRPO
 advantages (``grpo_advantages``), and each sample's weight version, the oldest it saw
-(``sample_weight_version``; ``is_partial``, ``partial_frac``: tokens from more than one); ``zero_std_groups``
-counts (and may mask) the groups without a learning signal; ``split_balanced`` splits the
-batch over the learner ranks; ``encode_prompt`` turns a prompt's text into the token ids the engines get.
+(``sample_weight_version``; ``is_partial``, ``partial_frac``: tokens from more than one);
+``zero_std_groups`` counts (and may mask) the groups without a learning signal;
+``split_balanced`` splits the batch over the learner ranks; ``encode_prompt`` turns a
+prompt's text into the token ids the engines get.
 """
 
 from __future__ import annotations

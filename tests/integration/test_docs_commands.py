@@ -124,8 +124,7 @@ def _python(args: list[str], tmp_path, request) -> None:
             rows = [cells(line) for line in f if line.startswith("| ")]
         got = [cells(line) for line in printed]
         fits = lambda row, want: len(row) == len(want) and all(g in ("-", w) for g, w in zip(want, row))  # noqa: E731
-        starts = [i for i in range(len(rows)) if all(fits(r, g) for r, g in zip(rows[i:], got))
-                  and len(rows[i:]) >= len(got)]
+        starts = [i for i in range(len(rows) - len(got) + 1) if all(map(fits, rows[i:i + len(got)], got))]
         assert starts, f"{proc.stdout} are not rows of docs/{page}, in order, one after the other"
     elif script.startswith(("scripts/plot", "benchmarks/plot")):  # run for real; figures to tmp
         argv = [str(tmp_path / os.path.basename(a)) if a.endswith(".png") else os.path.join(REPO, a)

@@ -42,12 +42,17 @@ def test_windows_first_step_and_partial_samples(summary, tmp_path):
     assert s["first_step_smoothed_at_threshold"] == 104
     assert (s["staleness_mean"], s["dropped"], s["trained"]) == (1.0, 400, 20000)
     assert s["partial_pct"] == pytest.approx(0.05)  # 2 steps of 200 at 5 %
+    assert (s["partial_steps"], s["partial_max_pct"]) == (2, pytest.approx(5.0))
+    assert s["reward_by_10"] == [0.0] * 10 + [pytest.approx(0.7)] * 10
+    assert s["partial_pct_by_10"] == [0.5] + [0.0] * 14 + [0.5] + [0.0] * 4  # steps 4 and 151
+    assert s["masked_pct"] == 0.0 and s["masked_pct_by_10"] == [0.0] * 20  # no mask logged
     assert summary.row(s) == "| m.jsonl | 0.000 | 0.000 | 0.700 | step 104 | 1.00 | 400 | 0.05 |"
 
 
 def test_runs_before_the_partial_metric_and_short_runs(summary, tmp_path):
     s = summary.summarise(_write(tmp_path / "old.jsonl", [0.2] * 200))
-    assert s["partial_pct"] is None and s["first_step_smoothed_at_threshold"] is None
+    assert s["partial_pct"] is None and s["partial_pct_by_10"] is None
+    assert s["first_step_smoothed_at_threshold"] is None
     assert summary.row(s).endswith("| - | 0.00 | 0 | - |")
     with pytest.raises(SystemExit, match="150 steps logged, the summary reads 200"):
         summary.summarise(_write(tmp_path / "short.jsonl", [0.2] * 150))
