@@ -87,12 +87,20 @@ class CalculatorTaskConfig(TaskConfig):
     times its right characters (0: none, the default; the answer of a right call earns 0.5).
     At 0.15 or more, such a call with a copied result outscores a right call with a wrong
     answer. Tried at 0.25 and 0.1, not adopted: docs/rollout.md, "Over seeds"."""
+    copy_credit_fade: bool = False
+    """Count ``copy_credit`` only in a prompt's group where no sample's call gave the sum, so
+    that within a group a right call always outscores a call with one operand wrong: the credit
+    fades, prompt by prompt, as the policy learns the calls. Tried with 0.25 on five seeds: it
+    faded before the copying was learnt in four, not adopted (docs/rollout.md, "Over seeds")."""
 
     def __post_init__(self) -> None:
         positive(self, "max_value")
         if not 0.0 <= self.copy_credit <= 0.5:
             raise ValueError(f"task.copy_credit={self.copy_credit} must be within [0, 0.5] (the answer "
                              f"of a right call earns 0.5)")
+        if self.copy_credit_fade and not self.copy_credit:
+            raise ValueError("task.copy_credit_fade=true fades task.copy_credit, which is 0: "
+                             "set task.copy_credit as well (e.g. 0.25)")
 
     def check_rollout(self, rollout: "RolloutConfig") -> None:
         # a call (``99+99=``), the tool's result and a space (``198 ``) and the answer

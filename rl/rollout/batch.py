@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from rl.rollout.functions import Sample, score
+from rl.rollout.functions import GroupReward, Sample, score_group
 from rl.tasks import Prompt
 from rl.types import RolloutBatch
 from transfer.data.base import Ragged
@@ -62,16 +62,18 @@ def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
 
 def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
                 reward: Callable[[str, str, bool], float], *, group_size: int, std_norm: bool,
-                first_sample_id: int) -> RolloutBatch:
+                first_sample_id: int, group_reward: GroupReward | None = None) -> RolloutBatch:
     """The training batch of one step: each prompt's samples (from the rollout function,
     grouped by prompt), scored by ``reward(text, label, finished)`` unless a sample carries its
-    own (``Sample.reward``), with GRPO advantages over
+    own (``Sample.reward``; with ``group_reward``, the task's reward of a whole group:
+    ``score_group``), with GRPO advantages over
     each group of ``group_size`` and sample ids counted from ``first_sample_id``."""
     # Ragged fields are built flat: every sample's ids, mask and log-probs appended to one
     # list, made one array each at the end (no per-sample arrays).
     tokens, mask, logps, plen, rlen, rewards = [], [], [], [], [], []
     group_ids, reasons, labels, versions = [], [], [], []
     for prompt, group in zip(prompts, groups):
+        rewards += score_group(group, prompt, reward, group_reward)
         for s in group:
             tokens += s.prompt_ids
             tokens += s.response_ids  # exactly as sampled (and appended)
@@ -79,7 +81,6 @@ def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
             logps += s.logprobs
             plen.append(len(s.prompt_ids))
             rlen.append(len(s.response_ids))
-            rewards.append(score(s, prompt, reward))
             group_ids.append(prompt.index)
             reasons.append("stop" if s.finished else "length")
             labels.append(prompt.label)

@@ -83,6 +83,22 @@ def score(sample: Sample, prompt: Prompt, reward: Callable[[str, str, bool], flo
     return float(reward(sample.text, prompt.label, sample.finished))
 
 
+GroupReward = Callable[[list[str], str, list[bool]], list[float]]
+
+
+def score_group(samples: list[Sample], prompt: Prompt, reward: Callable[[str, str, bool], float],
+                group_reward: GroupReward | None = None) -> list[float]:
+    """The rewards of one prompt's samples: each sample's own (``Sample.reward``), else the
+    task's: ``group_reward(texts, label, finished)`` over the samples without their own, for a
+    task whose reward compares a group's samples (``Task.group_reward``), else ``reward`` one
+    by one."""
+    if group_reward is None:
+        return [score(s, prompt, reward) for s in samples]
+    todo = [s for s in samples if s.reward is None]
+    got = iter(group_reward([s.text for s in todo], prompt.label, [s.finished for s in todo]))
+    return [float(s.reward) if s.reward is not None else float(next(got)) for s in samples]
+
+
 def _finite(x) -> bool:
     """A number (Python, numpy or a one-element tensor) that is finite."""
     try:

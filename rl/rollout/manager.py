@@ -29,7 +29,7 @@ from rl.rollout.batch import build_batch, encode_prompt, partial_frac, split_bal
 from rl.rollout.client import EngineError
 from rl.rollout.dump import dump_path, dump_samples
 from rl.rollout.fanout import EnginePool, run_groups
-from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, score
+from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, score_group
 from rl.rollout.fleet import EngineFleet, SyncPlan
 from rl.rollout.stream import Stream
 from rl.runtime import Runtime
@@ -194,6 +194,7 @@ class RolloutManager:
     def _build_batch(self, prompts: list[Prompt], groups: list[list[Sample]]) -> RolloutBatch:
         rc = self.cfg.rollout
         batch = build_batch(prompts, groups, self.task.reward,
+                            group_reward=getattr(self.task, "group_reward", None),
                             group_size=rc.n_samples_per_prompt,
                             std_norm=self.cfg.algo.advantage_std_norm,
                             first_sample_id=self.next_sample_id)
@@ -240,7 +241,8 @@ class RolloutManager:
             return await fn.group(ctx, prompts[i], prompt_ids[i])
 
         groups = asyncio.run(run_groups(group, len(prompts), ec.n_samples, label="eval"))
-        rewards = np.asarray([[score(s, p, self.task.reward) for s in g]
+        group_reward = getattr(self.task, "group_reward", None)
+        rewards = np.asarray([score_group(g, p, self.task.reward, group_reward)
                               for p, g in zip(prompts, groups)], dtype=np.float64)
         return {"eval/reward_mean": float(rewards.mean()),
                 f"eval/pass@{ec.n_samples}": float((rewards >= 1.0).any(axis=1).mean()),

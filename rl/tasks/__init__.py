@@ -6,6 +6,11 @@ Call order (the rollout manager)::
     r = task.reward(response_text, prompt.label, finished)   # finished = EOS was sampled
     state = task.state_dict(); task.load_state_dict(state)  # checkpoint / resume
 
+A task whose reward compares one prompt's samples may also define
+``group_reward(responses, label, finished) -> list[float]`` (``finished`` one flag a
+response); the manager then scores each group with it instead of ``reward`` (``CalculatorTask``
+with ``copy_credit_fade``).
+
 A task is built from its ``task`` config by ``rl.tasks.build.build_task(cfg.task)``.
 """
 

@@ -32,7 +32,8 @@ def addition_task(cfg: AdditionTaskConfig) -> AdditionTask:
 
 
 def calculator_task(cfg: CalculatorTaskConfig) -> CalculatorTask:
-    return CalculatorTask(max_value=cfg.max_value, seed=cfg.seed, copy_credit=cfg.copy_credit)
+    return CalculatorTask(max_value=cfg.max_value, seed=cfg.seed, copy_credit=cfg.copy_credit,
+                          copy_credit_fade=cfg.copy_credit_fade)
 
 
 def jsonl_task(cfg: JsonlTaskConfig) -> JsonlTask:

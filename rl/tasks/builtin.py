@@ -170,20 +170,41 @@ class CalculatorTask(_StreamTask):
     the calculator reads earns 0.2 and 0.15 for each right operand (one it cannot read, a
     fifth of its right characters), the answer half its right characters against the sum when
     the call's result was the sum (with ``copy_credit``, also ``copy_credit`` times its right
-    characters against the tool's result after a sum with one right operand). 1 for the right
+    characters against the tool's result after a sum with one right operand; with
+    ``copy_credit_fade``, only in a group where no call gave the sum: ``group_reward``). 1 for the right
     call and answer; the partial credit is what lets a model that has never seen a call learn
     to make one (docs/rollout.md)."""
 
-    def __init__(self, max_value: int = 4, seed: int = 0, copy_credit: float = 0.0) -> None:
+    def __init__(self, max_value: int = 4, seed: int = 0, copy_credit: float = 0.0,
+                 copy_credit_fade: bool = False) -> None:
         super().__init__(seed)
         self.max_value = max_value
         self.copy_credit = copy_credit
+        self.copy_credit_fade = copy_credit_fade
 
     def make(self, rng: random.Random) -> tuple[str, str]:
         a, b = rng.randint(0, self.max_value), rng.randint(0, self.max_value)
         return f"{a}+{b}:", f"{a}+{b}"
 
     def reward(self, response: str, label: str, finished: bool) -> float:
+        return self._reward(response, label, finished, self.copy_credit)
+
+    def group_reward(self, responses: list[str], label: str, finished: list[bool]) -> list[float]:
+        """The rewards of one prompt's samples: each its ``reward``, but with
+        ``copy_credit_fade`` the copy credit counts only in a group where no sample's call
+        gave the sum, so that within a group (all GRPO compares) a right call always
+        outscores a call with one operand wrong."""
+        if self.copy_credit_fade and any(self._right_call(r, label, f) for r, f in zip(responses, finished)):
+            return [self._reward(r, label, f, 0.0) for r, f in zip(responses, finished)]
+        return [self.reward(r, label, f) for r, f in zip(responses, finished)]
+
+    @staticmethod
+    def _right_call(response: str, label: str, finished: bool) -> bool:
+        calls, _ = parse_calculator_transcript(response)
+        return finished and bool(calls) and calls[0][1] == calculator(label)
+
+    @staticmethod
+    def _reward(response: str, label: str, finished: bool, copy_credit: float) -> float:
         if not finished:
             return 0.0
         calls, answer = parse_calculator_transcript(response)
@@ -197,6 +218,6 @@ class CalculatorTask(_StreamTask):
         call_credit = 0.2 + 0.15 * right
         if result == want:
             return call_credit + 0.5 * char_credit(answer.strip(), want)
-        if self.copy_credit and right == 1 and m.group(2) == "+":  # a sum with one operand right
-            return call_credit + self.copy_credit * char_credit(answer.strip(), result)
+        if copy_credit and right == 1 and m.group(2) == "+":  # a sum with one operand right
+            return call_credit + copy_credit * char_credit(answer.strip(), result)
         return call_credit

@@ -13,7 +13,7 @@ import pytest
 from rl.model import load_tokenizer
 from rl.rollout.batch import build_batch, zero_std_groups
 from rl.rollout.dump import dump_path, dump_samples
-from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load, score
+from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, load, score, score_group
 from rl.tasks import Prompt
 from rl.tasks.build import build_task
 from rl.tasks.builtin import CalculatorTask, calculator, calculator_transcript, parse_calculator_transcript
@@ -164,6 +164,20 @@ def test_calculator_tool_and_task():
     assert copying.reward("1+3=4 4", "2+3", True) == pytest.approx(0.6)  # the second operand right
     assert copying.reward("9+3=12 13", "2+3", True) == pytest.approx(0.35 + 0.25 * 0.5)  # by character
     assert copying.reward("2+3=5 5", "2+3", True) == 1.0
+    # task.copy_credit_fade: the credit only in a group where no call gave the sum
+    fading = CalculatorTask(seed=1, copy_credit=0.25, copy_credit_fade=True)
+    assert fading.reward("2+4=6 6", "2+3", True) == copying.reward("2+4=6 6", "2+3", True)  # alone
+    unsolved = ["2+4=6 6", "1+3=4 4", "2+4=6 5"]
+    assert fading.group_reward(unsolved, "2+3", [True] * 3) == pytest.approx([0.6, 0.6, 0.35])
+    assert copying.group_reward(unsolved + ["2+3=5 4"], "2+3", [True] * 4) == pytest.approx(
+        [0.6, 0.6, 0.35, 0.5])  # without fading: a one-right-operand call above the right one
+    assert fading.group_reward(unsolved + ["2+3=5 4"], "2+3", [True] * 4) == pytest.approx(
+        [0.35, 0.35, 0.35, 0.5])  # a call gave the sum: no copy credit in this group
+    assert fading.group_reward(["3+2=5 5", "2+4=6 6"], "2+3", [True, True]) == pytest.approx(
+        [0.7, 0.35])  # operands swapped: the sum all the same
+    # a right call in an unfinished sample scores nothing and fades nothing
+    assert fading.group_reward(["2+3=5 5", "2+4=6 6"], "2+3", [False, True]) == pytest.approx([0.0, 0.6])
+    assert t.group_reward(unsolved, "2+3", [True] * 3) == [t.reward(r, "2+3", True) for r in unsolved]
     # a call it cannot read: a fifth of its right characters
     assert t.reward(calculator_transcript([("1+", "error")], "3"), "1+2", True) == pytest.approx(0.2 * 2 / 3)
     assert parse_calculator_transcript("1+2=error 3") == ([("1+2", "error")], "3")
@@ -223,6 +237,18 @@ def test_a_sample_scored_by_its_function_keeps_its_reward():
                         first_sample_id=0)
     assert batch.rewards.tolist() == [0.75, 1.0]
     assert batch.advantages.tolist() == [-0.125, 0.125]
+    # a task's group reward scores the samples without their own reward, as one group
+    seen = []
+
+    def group_reward(texts, label, finished):
+        seen.append((texts, label, finished))
+        return [2.0 for _ in texts]
+
+    batch = build_batch([prompt], [[own, plain, plain]], task_reward, group_reward=group_reward,
+                        group_size=3, std_norm=False, first_sample_id=0)
+    assert seen == [(["right", "right"], "right", [True, True])]
+    assert batch.rewards.tolist() == [0.75, 2.0, 2.0]
+    assert score_group([own], prompt, task_reward, group_reward) == [0.75] and seen[-1][0] == []
 
 
 def test_load_names_the_function_when_it_cannot_be_used():
@@ -282,6 +308,10 @@ def test_rollout_function_config():
     for bad in ("0.6", "-0.1"):
         with pytest.raises(ValueError, match=rf"task.copy_credit={bad} must be within \[0, 0.5\]"):
             compose(*calc, f"task.copy_credit={bad}")
+    fading = build_task(compose(*calc, "task.copy_credit=0.25", "task.copy_credit_fade=true").task)
+    assert (fading.copy_credit, fading.copy_credit_fade) == (0.25, True)
+    with pytest.raises(ValueError, match="task.copy_credit_fade=true fades task.copy_credit, which is 0"):
+        compose(*calc, "task.copy_credit_fade=true")
 
 
 def test_calculator_dump_stats_read_calls_operands_and_copied_answers():
