@@ -13,7 +13,7 @@ A path is a run's `output_dir` (its metrics.jsonl and rollouts/) or a metrics fi
 `<name>_metrics.jsonl` the dumped samples are read from `<name>_dump.jsonl` beside it (as
 docs/runs keeps some runs' last dump), and without one the last column reads "-". `--json`
 prints every figure, the share of answers equal to the call's second operand too (the usual
-wrong copy).
+wrong copy), and of groups with a call that gave the sum (``task.copy_credit_fade``).
 """
 
 from __future__ import annotations

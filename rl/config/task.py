@@ -88,10 +88,8 @@ class CalculatorTaskConfig(TaskConfig):
     At 0.15 or more, such a call with a copied result outscores a right call with a wrong
     answer. Tried at 0.25 and 0.1, not adopted: docs/rollout.md, "Over seeds"."""
     copy_credit_fade: bool = False
-    """Count ``copy_credit`` only in a prompt's group where no sample's call gave the sum, so
-    that within a group a right call always outscores a call with one operand wrong: the credit
-    fades, prompt by prompt, as the policy learns the calls. Tried with 0.25 on five seeds: it
-    faded before the copying was learnt in four, not adopted (docs/rollout.md, "Over seeds")."""
+    """Count ``copy_credit`` only in a prompt's group where no sample's call gave the sum
+    (not adopted: docs/rollout.md, "Over seeds")."""
 
     def __post_init__(self) -> None:
         positive(self, "max_value")

@@ -16,7 +16,8 @@ environment tokens interleaved), a per-token loss mask (1 = model token, trained
 environment token), the engine's log-probs (0 where masked), whether it finished, the
 SGLang ``meta_info`` of each model turn, and the text the task's reward scores (or the
 sample's own reward, ``Sample.reward``). The manager checks each sample and scores it with the
-task's reward unless the function did; an error raised inside the function
+task's reward unless the function did (a whole group at once for a task with a group reward:
+``score_group``); an error raised inside the function
 names it and the prompt. Nothing downstream changes: the learner trains the tokens whose
 loss mask is 1. Writing one: docs/rollout.md.
 
@@ -90,13 +91,17 @@ def score_group(samples: list[Sample], prompt: Prompt, reward: Callable[[str, st
                 group_reward: GroupReward | None = None) -> list[float]:
     """The rewards of one prompt's samples: each sample's own (``Sample.reward``), else the
     task's: ``group_reward(texts, label, finished)`` over the samples without their own, for a
-    task whose reward compares a group's samples (``Task.group_reward``), else ``reward`` one
-    by one."""
-    if group_reward is None:
-        return [score(s, prompt, reward) for s in samples]
+    task whose reward compares a group's samples (``group_reward`` in ``rl.tasks``), else
+    ``reward`` one by one."""
     todo = [s for s in samples if s.reward is None]
-    got = iter(group_reward([s.text for s in todo], prompt.label, [s.finished for s in todo]))
-    return [float(s.reward) if s.reward is not None else float(next(got)) for s in samples]
+    if group_reward is None or not todo:
+        return [score(s, prompt, reward) for s in samples]
+    got = list(group_reward([s.text for s in todo], prompt.label, [s.finished for s in todo]))
+    if len(got) != len(todo):
+        raise ValueError(f"the task's group_reward gave {len(got)} rewards for the {len(todo)} samples of "
+                         f"prompt {prompt.index} ({prompt.text!r}) it scored: one a sample")
+    it = iter(got)
+    return [float(s.reward) if s.reward is not None else float(next(it)) for s in samples]
 
 
 def _finite(x) -> bool:

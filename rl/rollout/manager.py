@@ -33,7 +33,7 @@ from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, score_
 from rl.rollout.fleet import EngineFleet, SyncPlan
 from rl.rollout.stream import Stream
 from rl.runtime import Runtime
-from rl.tasks import Prompt
+from rl.tasks import Prompt, group_reward
 from rl.config.task import JsonlTaskConfig
 from rl.tasks.build import build_task
 from rl.tasks.jsonl import read_rows
@@ -64,6 +64,7 @@ class RolloutManager:
         self.runtime = runtime
         self.tokenizer = load_tokenizer(runtime.model_path)
         self.task = build_task(cfg.task)
+        self.group_reward = group_reward(self.task)
         rc = cfg.rollout
         self.rollout_fn = RolloutFunction(rc.function, n=rc.n_samples_per_prompt,
                                           max_prompt_tokens=rc.max_prompt_tokens,
@@ -193,8 +194,7 @@ class RolloutManager:
 
     def _build_batch(self, prompts: list[Prompt], groups: list[list[Sample]]) -> RolloutBatch:
         rc = self.cfg.rollout
-        batch = build_batch(prompts, groups, self.task.reward,
-                            group_reward=getattr(self.task, "group_reward", None),
+        batch = build_batch(prompts, groups, self.task.reward, group_reward=self.group_reward,
                             group_size=rc.n_samples_per_prompt,
                             std_norm=self.cfg.algo.advantage_std_norm,
                             first_sample_id=self.next_sample_id)
@@ -220,7 +220,8 @@ class RolloutManager:
     def evaluate(self) -> dict[str, float]:
         """Answer the evaluation prompts (``eval``) with the engines' current weights through the
         rollout function (``rollout.function``, with ``eval.n_samples`` samples a prompt and
-        the eval sampling) and score them with the task's reward: ``eval/reward_mean``,
+        the eval sampling) and score them with the task's reward, as training does
+        (``score_group``): ``eval/reward_mean``,
         ``eval/pass@<n>`` (prompts with an answer of full reward), ``eval/response_len_mean``,
         ``eval/truncated_frac``, ``eval/time``. Nothing is stored or trained: the sample ids,
         the data position and the fully async accounting are untouched."""
@@ -241,8 +242,7 @@ class RolloutManager:
             return await fn.group(ctx, prompts[i], prompt_ids[i])
 
         groups = asyncio.run(run_groups(group, len(prompts), ec.n_samples, label="eval"))
-        group_reward = getattr(self.task, "group_reward", None)
-        rewards = np.asarray([score_group(g, p, self.task.reward, group_reward)
+        rewards = np.asarray([score_group(g, p, self.task.reward, self.group_reward)
                               for p, g in zip(prompts, groups)], dtype=np.float64)
         return {"eval/reward_mean": float(rewards.mean()),
                 f"eval/pass@{ec.n_samples}": float((rewards >= 1.0).any(axis=1).mean()),

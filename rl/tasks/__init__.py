@@ -17,7 +17,7 @@ A task is built from its ``task`` config by ``rl.tasks.build.build_task(cfg.task
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -38,3 +38,9 @@ class Task(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def group_reward(task: Task) -> Callable[[list[str], str, list[bool]], list[float]] | None:
+    """The task's ``group_reward`` (it scores one prompt's samples together), or None for a
+    task that scores each sample alone."""
+    return getattr(task, "group_reward", None)

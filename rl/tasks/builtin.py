@@ -141,9 +141,15 @@ def calculator_dump_stats(samples: list[dict]) -> dict[str, float]:
     whose transcript holds a call; of the calls' operands, the fraction right (the first two; a call
     without ``+`` has both wrong); of the finished answers after a call, the fraction that copy
     the tool's result and the fraction that repeat the call's second operand (the usual wrong
-    copy). Read from the transcripts, so a group dropped from the loss counts like any other."""
-    calls, operands, copied, second = 0, [], [], []
+    copy); of the finished answers after a call that gave the sum, the fraction that copy it;
+    and the fraction of groups (a step's prompt) with such a call, where
+    ``task.copy_credit_fade`` turns the copy credit off. Read from the transcripts, so a group
+    dropped from the loss counts like any other."""
+    calls, operands, copied, second, sum_copied = 0, [], [], [], []
+    groups: dict[tuple, bool] = {}
     for d in samples:
+        key = (d.get("step"), d["prompt_index"])
+        groups.setdefault(key, False)
         found, answer = parse_calculator_transcript(d["scored_text"])
         if not found:
             continue
@@ -154,12 +160,16 @@ def calculator_dump_stats(samples: list[dict]) -> dict[str, float]:
         if d["finished"]:
             copied.append(answer.strip() == result)
             second.append(len(got) > 1 and answer.strip() == got[1])
+            if result == calculator(d["label"]):
+                sum_copied.append(answer.strip() == result)
+                groups[key] = True
 
     def mean(xs: list[bool]) -> float:
         return sum(xs) / len(xs) if xs else 0.0
 
     return {"calls": calls / len(samples), "operands_right": mean(operands),
-            "answers_copied": mean(copied), "answers_second_operand": mean(second)}
+            "answers_copied": mean(copied), "answers_second_operand": mean(second),
+            "sum_answers_copied": mean(sum_copied), "groups_with_sum": mean(list(groups.values()))}
 
 
 class CalculatorTask(_StreamTask):

@@ -153,14 +153,18 @@ def test_calculator_task_trains_through_its_multi_turn_rollout_function(entry, t
     """``task=calculator`` with ``rollout.function=rl.rollout.functions:calculator_tool``: each
     group goes through the tool loop, step by step (``train.py``, over Mooncake and the p2p
     weight path) and fully async (``train_async.py rollout.fully_async=true``, a group at a
-    time, over Ray and broadcast); the run trains, logs every step and ends cleanly. The loss
-    mask of a sample, token by token: tests/unit/test_rollout_functions.py."""
+    time, over Ray and broadcast); the run trains, logs every step and ends cleanly; with
+    ``task.copy_credit_fade`` each group is scored as a whole (the task's ``group_reward``). The
+    loss mask of a sample, token by token: tests/unit/test_rollout_functions.py."""
+    fading = (*(o for o in CALCULATOR if not o.startswith("rollout.function=")),
+              "rollout.function=tests.support.helpers:calculator_with_a_right_call",
+              "task.copy_credit=0.25", "task.copy_credit_fade=true", "rollout.dump_every=1")
     if entry == "train.py":
-        proc = train(*CALCULATOR, "transfer=mooncake_tcp", "weights=p2p", "num_steps=2",
+        proc = train(*fading, "transfer=mooncake_tcp", "weights=p2p", "num_steps=2",
                      f"output_dir={tmp_path}")
     else:
-        proc = train_async(*CALCULATOR, "transfer=ray", "weights=broadcast", "rollout.fully_async=true",
-                           "num_steps=2", f"output_dir={tmp_path}")
+        proc = train_async(*fading, "transfer=ray", "weights=broadcast",
+                           "rollout.fully_async=true", "num_steps=2", f"output_dir={tmp_path}")
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -170,8 +174,17 @@ def test_calculator_task_trains_through_its_multi_turn_rollout_function(entry, t
         assert 0 < r["rollout/response_len_mean"] <= 16
     assert "step 2/2 | reward" in proc.stdout
     assert "eval/reward_mean" not in rows[0]  # evaluated once, after the last step, through the tool loop
-    assert 0.0 <= rows[1]["eval/reward_mean"] <= 1.0 and 0 < rows[1]["eval/response_len_mean"] <= 16
+    assert 0 < rows[1]["eval/response_len_mean"] <= 16
     assert_nothing_left(engine_ports(proc.stdout))
+    # each group scored as a whole: its right call took the copy credit off the other sample
+    groups = {}
+    for path in sorted(tmp_path.glob("rollouts/step_*.jsonl")):
+        for d in map(json.loads, open(path)):
+            groups.setdefault((d["step"], d["prompt_index"]), []).append(d["reward"])
+    # (fully async: a dump's step is the batch's number; batches formed ahead are dumped too)
+    assert sorted(step for step, _ in groups)[:4] == [0, 0, 1, 1]
+    assert all(g == pytest.approx([1.0, 0.35]) for g in groups.values()), groups
+    assert rows[1]["eval/reward_mean"] == pytest.approx((1.0 + 0.35) / 2)  # evaluation alike
 
 
 def test_a_rollout_function_that_cannot_be_imported_stops_the_run_before_it_starts(tmp_path):

@@ -3,7 +3,8 @@
 
 import asyncio
 
-from rl.rollout.functions import single_turn
+from rl.rollout.functions import calculator_tool, single_turn
+from rl.tasks.builtin import calculator, calculator_transcript
 
 
 def length_reward(response: str, label: str) -> float:
@@ -73,3 +74,21 @@ async def late_and_old_groups(ctx, prompt, prompt_ids):
                 meta["weight_version"] = "0"
     _finished.add(prompt.index)
     return samples
+
+
+async def calculator_with_a_right_call(ctx, prompt, prompt_ids):
+    """``rollout.function=tests.support.helpers:calculator_with_a_right_call``: ``calculator_tool``,
+    except that each group's scored texts are set: the first sample's to the right call and
+    answer, the others' to a call with one operand wrong and its result copied (the tokens stay
+    as sampled). Under ``task.copy_credit_fade`` the right call takes the copy credit off the
+    others, which a manager scoring each sample alone would not (0.35 against 0.6 at 0.25)."""
+    samples = await calculator_tool(ctx, prompt, prompt_ids)
+    a, b = prompt.label.split("+")
+    right = calculator(prompt.label)
+    wrong = f"{a}+{int(b) + 1}"
+    for i, s in enumerate(samples):
+        s.finished = True
+        s.text = (calculator_transcript([(prompt.label, right)], right) if i == 0
+                  else calculator_transcript([(wrong, calculator(wrong))], calculator(wrong)))
+    return samples
+

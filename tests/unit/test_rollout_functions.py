@@ -237,18 +237,23 @@ def test_a_sample_scored_by_its_function_keeps_its_reward():
                         first_sample_id=0)
     assert batch.rewards.tolist() == [0.75, 1.0]
     assert batch.advantages.tolist() == [-0.125, 0.125]
-    # a task's group reward scores the samples without their own reward, as one group
+    # a task's group reward scores each group's samples without their own reward, together, in order
     seen = []
 
     def group_reward(texts, label, finished):
         seen.append((texts, label, finished))
-        return [2.0 for _ in texts]
+        return [10.0 * len(seen) + len(t) for t in texts]
 
-    batch = build_batch([prompt], [[own, plain, plain]], task_reward, group_reward=group_reward,
-                        group_size=3, std_norm=False, first_sample_id=0)
-    assert seen == [(["right", "right"], "right", [True, True])]
-    assert batch.rewards.tolist() == [0.75, 2.0, 2.0]
-    assert score_group([own], prompt, task_reward, group_reward) == [0.75] and seen[-1][0] == []
+    short = Sample([1], [3], [1], [-0.5], False, [{}], "ab")
+    other = Prompt(text="q2", label="other", index=1)
+    batch = build_batch([prompt, other], [[plain, own, short], [short, plain, short]], task_reward,
+                        group_reward=group_reward, group_size=3, std_norm=False, first_sample_id=0)
+    assert seen == [(["right", "ab"], "right", [True, False]),
+                    (["ab", "right", "ab"], "other", [False, True, False])]
+    assert batch.rewards.tolist() == [15.0, 0.75, 12.0, 22.0, 25.0, 22.0]
+    assert score_group([own], prompt, task_reward, group_reward) == [0.75] and len(seen) == 2  # not called
+    with pytest.raises(ValueError, match=r"gave 1 rewards for the 2 samples of prompt 0 \('q'\)"):
+        score_group([plain, short], prompt, task_reward, lambda texts, label, finished: [1.0])
 
 
 def test_load_names_the_function_when_it_cannot_be_used():
@@ -318,19 +323,24 @@ def test_calculator_dump_stats_read_calls_operands_and_copied_answers():
     """``calculator_dump_stats`` (the last column of docs/rollout.md's calculator table, via
     scripts/calculator_summary.py, and the e2e learning test's checks): of five dumped samples,
     four call the tool (one without room to answer, one in a group dropped from the loss, its
-    loss mask all 0), their operands are right 5 times in 8, and of the three finished answers
-    one copies the tool's result and two repeat the call's second operand."""
+    loss mask all 0), their operands are right 5 times in 8, of the three finished answers
+    one copies the tool's result and two repeat the call's second operand; of the two answers
+    after a call that gave the sum one copies it, and two of the three groups hold such a call."""
     from rl.tasks.builtin import calculator_dump_stats
 
-    def sample(label, calls, answer, finished=True, dropped=False):
-        return {"label": label, "scored_text": calculator_transcript(calls, answer), "finished": finished,
+    def sample(label, index, calls, answer, finished=True, dropped=False):
+        return {"step": 9, "prompt_index": index, "label": label, "finished": finished,
+                "scored_text": calculator_transcript(calls, answer),
                 "loss_mask": [0] * 8 if dropped else [1] * 8}
 
-    samples = [sample("3+4", [("3+4", "7")], "7"),
-               sample("3+4", [("3+3", "6")], "3"),
-               sample("1+2", [("1+2", "3")], "2", dropped=True),
-               sample("2+1", [("1", "1")], "", finished=False),
-               {"label": "2+1", "scored_text": "21", "finished": True, "loss_mask": [1, 1]}]  # no call
+    samples = [sample("3+4", 0, [("3+4", "7")], "7"),
+               sample("3+4", 0, [("3+3", "6")], "3"),
+               sample("1+2", 1, [("1+2", "3")], "2", dropped=True),
+               sample("2+1", 2, [("1", "1")], "", finished=False),
+               {"step": 9, "prompt_index": 2, "label": "2+1", "scored_text": "21", "finished": True,
+                "loss_mask": [1, 1]}]  # no call
     assert calculator_dump_stats(samples) == {"calls": 0.8, "operands_right": 5 / 8,
                                               "answers_copied": pytest.approx(1 / 3),
-                                              "answers_second_operand": pytest.approx(2 / 3)}
+                                              "answers_second_operand": pytest.approx(2 / 3),
+                                              "sum_answers_copied": 0.5,
+                                              "groups_with_sum": pytest.approx(2 / 3)}
