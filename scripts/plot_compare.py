@@ -31,8 +31,9 @@ def main() -> None:
         reward = smooth([r["rollout/reward_mean"] for r in rows], args.smooth)
         ax1.plot(steps, reward, lw=1.2, label=label or path)
         ax2.plot(steps, [r.get("train/clipfrac", 0.0) for r in rows], lw=1.0, label=label or path)
-        print(f"{label or path}: {len(rows)} steps, reward first 10 {mean(reward[:10]):.3f}, "
-              f"last 10 {mean([r['rollout/reward_mean'] for r in rows[-10:]]):.3f}")
+        raw = [r["rollout/reward_mean"] for r in rows]  # the printed means are of the raw rewards
+        print(f"{label or path}: {len(rows)} steps, reward first 10 {mean(raw[:10]):.3f}, "
+              f"last 10 {mean(raw[-10:]):.3f}")
     ax1.set(xlabel="step", ylabel=f"mean reward ({args.smooth}-step average)", ylim=(-0.02, 1.02))
     ax2.set(xlabel="step", ylabel="train/clipfrac")
     for ax in (ax1, ax2):
