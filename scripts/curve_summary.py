@@ -13,7 +13,8 @@ metric existed).
 A path is a run's `output_dir` or its metrics.jsonl. `--json` prints every figure, and by
 10 steps (steps 1-10, 11-20, ...) the mean reward, the share of loss tokens an importance
 mask took out (`train/is_masked_frac`, in percent) and the share of partial rollouts, with
-the steps that had any and the largest share of one step.
+the steps that had any and the largest share of one step; and the largest staleness and the
+mean of `perf/wait_time_ratio`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def summarise(path: str) -> dict:
             **{f"reward_{a}_{b}": float(reward[a - 1:b].mean()) for a, b in WINDOWS},
             "first_step_smoothed_at_threshold": int(reached[0]) + SMOOTH if len(reached) else None,
             "staleness_mean": float(np.mean([r.get("async/staleness_mean", 0.0) for r in rows])),
+            "staleness_max": float(max(r.get("async/staleness_max", 0.0) for r in rows)),
+            "wait_time_ratio_mean": float(np.mean([r["perf/wait_time_ratio"] for r in rows])),
             "dropped": int(sum(r.get("async/dropped_samples", 0) for r in rows)),
             "trained": int(sum(r["train/samples"] for r in rows)),
             "partial_pct": None if partial is None else float(partial.mean()),
