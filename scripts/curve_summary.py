@@ -13,8 +13,9 @@ metric existed).
 A path is a run's `output_dir` or its metrics.jsonl. `--json` prints every figure, and by
 10 steps (steps 1-10, 11-20, ...) the mean reward, the share of loss tokens an importance
 mask took out (`train/is_masked_frac`, in percent) and the share of partial rollouts, with
-the steps that had any and the largest share of one step; and the largest staleness and the
-mean of `perf/wait_time_ratio`.
+the steps that had any and the largest share of one step; the largest staleness, the mean
+of `perf/wait_time_ratio`, and the training loop's seconds (`loop_s`: from the first step's
+start to the last step's end).
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ WINDOWS = ((1, 10), (91, 100), (181, 200))
 """Steps (from 1, both ends included) whose mean reward is reported."""
 THRESHOLD, SMOOTH = 0.5, 5
 """The reward the mean of the last ``SMOOTH`` steps must first reach."""
+
+
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over the steps, or None when a step did not log it."""
+    return float(np.mean([r[key] for r in rows])) if all(key in r for r in rows) else None
+
+
+def _loop_s(rows: list[dict]) -> float | None:
+    """Seconds from the first step's start to the last step's end, or None when not logged."""
+    first, last = rows[0], rows[-1]
+    if not all(k in r for r in (first, last) for k in ("perf/step_started_at", "perf/step_time")):
+        return None
+    return last["perf/step_started_at"] + last["perf/step_time"] - first["perf/step_started_at"]
 
 
 def summarise(path: str) -> dict:
@@ -47,7 +61,8 @@ def summarise(path: str) -> dict:
             "first_step_smoothed_at_threshold": int(reached[0]) + SMOOTH if len(reached) else None,
             "staleness_mean": float(np.mean([r.get("async/staleness_mean", 0.0) for r in rows])),
             "staleness_max": float(max(r.get("async/staleness_max", 0.0) for r in rows)),
-            "wait_time_ratio_mean": float(np.mean([r["perf/wait_time_ratio"] for r in rows])),
+            "wait_time_ratio_mean": _mean_of(rows, "perf/wait_time_ratio"),
+            "loop_s": _loop_s(rows),
             "dropped": int(sum(r.get("async/dropped_samples", 0) for r in rows)),
             "trained": int(sum(r["train/samples"] for r in rows)),
             "partial_pct": None if partial is None else float(partial.mean()),

@@ -114,8 +114,8 @@ def _calculator_run(out, seed: int) -> list[str]:
     # 95-204; the evaluation's reward after step 250 0.36-0.80; at step 250 calls 0.99-1.00,
     # operands 0.65-1.00 right, answers 0.00-0.74 copied. How many answers copy the tool's
     # result varies by seed and run, so the checks are on the calls and their operands. The
-    # three runs that settled on a few calls (rewards 0.32 and 0.26, operands 0.47 and 0.13
-    # right) fail.
+    # three runs that settled on a few calls (rewards 0.32, 0.32 and 0.26; operands about
+    # half, 0.47 and 0.13 right) fail.
     misses, reward = [], np.mean(rewards[-20:])
     if reward <= 0.3:
         misses.append(f"reward over the last 20 steps {reward:.3f} <= 0.3")

@@ -26,7 +26,8 @@ def _write(path, rewards, partial=None, **extra):
     with open(path, "w") as f:
         for i, r in enumerate(rewards):
             row = {"step": i, "rollout/reward_mean": r, "train/samples": 100.0,
-                   "perf/wait_time_ratio": 0.1 if i % 2 else 0.3, **extra}
+                   "perf/wait_time_ratio": 0.1 if i % 2 else 0.3, "perf/step_started_at": 1000.0 + 2 * i,
+                   "perf/step_time": 1.5, **extra}
             if partial is not None:
                 row["rollout/partial_frac"] = partial(i)
             f.write(json.dumps(row) + "\n")
@@ -44,6 +45,7 @@ def test_windows_first_step_and_partial_samples(summary, tmp_path):
     assert (s["staleness_mean"], s["dropped"], s["trained"]) == (1.0, 400, 20000)
     assert s["staleness_max"] == 0.0  # not logged: 0, as in train.py
     assert s["wait_time_ratio_mean"] == pytest.approx(0.2)
+    assert s["loop_s"] == pytest.approx(2 * 199 + 1.5)  # the last step starts at 398 s, lasts 1.5
     assert s["partial_pct"] == pytest.approx(0.05)  # 2 steps of 200 at 5 %
     assert (s["partial_steps"], s["partial_max_pct"]) == (2, pytest.approx(5.0))
     assert s["reward_by_10"] == [0.0] * 10 + [pytest.approx(0.7)] * 10
