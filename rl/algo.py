@@ -20,13 +20,14 @@ def policy_loss_bt(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, adv_b: torc
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token: ``(loss_bt, clipped_bt, approx_kl_bt)``.
 
-    ``ratio = exp(logp - old_logp)``; ``loss = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``;
+    ``ratio = exp(logp - old_logp)``; ``loss = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``,
+    ``A`` one advantage a sample (``adv_b`` [B], broadcast over its tokens) or one a token ([B, T]);
     ``clipped_bt`` is 1 where the clipped branch won (no gradient flows there);
     ``approx_kl_bt`` is the k3 estimate of KL(behaviour || current) from tokens the behaviour
     policy sampled, ``ratio - 1 - log(ratio)`` (both without gradient).
     """
     ratio_bt = torch.exp(logp_bt - old_logp_bt)
-    adv_bt = adv_b[:, None].expand_as(logp_bt)
+    adv_bt = adv_b[:, None].expand_as(logp_bt) if adv_b.dim() == 1 else adv_b
     unclipped_bt = -adv_bt * ratio_bt
     clipped_loss_bt = -adv_bt * ratio_bt.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_bt = torch.maximum(unclipped_bt, clipped_loss_bt)

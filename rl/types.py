@@ -11,7 +11,7 @@ and the learner pads a micro-batch with one scatter per field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Sequence
 
 import numpy as np
@@ -51,20 +51,25 @@ class RolloutBatch:
     """``stop`` (end-of-sequence sampled) or ``length`` (hit max_new_tokens)."""
     label: list[str]
     """The task's label of the prompt (for debugging and evaluation)."""
+    token_advantages: Ragged | None = None
+    """float32, per sample [response_len]: an advantage per token, in place of ``advantages``
+    broadcast over the sample (``algo.turn_credit``: each model turn its own); None (the
+    default) leaves it out of the stored columns."""
 
     def __post_init__(self) -> None:
         # One array per sample is accepted (tests, hand-made batches) and made flat here.
         for name, dtype in (("tokens", np.int32), ("loss_mask", np.int8),
-                            ("rollout_logprobs", np.float32)):
+                            ("rollout_logprobs", np.float32), ("token_advantages", np.float32)):
             value = getattr(self, name)
-            if not isinstance(value, Ragged):
+            if value is not None and not isinstance(value, Ragged):
                 setattr(self, name, Ragged.from_arrays(value, dtype))
         rlen = np.asarray(self.response_len)
         if not (np.array_equal(self.tokens.lengths, np.asarray(self.prompt_len) + rlen)
                 and np.array_equal(self.loss_mask.lengths, rlen)
-                and np.array_equal(self.rollout_logprobs.lengths, rlen)):
+                and np.array_equal(self.rollout_logprobs.lengths, rlen)
+                and (self.token_advantages is None or np.array_equal(self.token_advantages.lengths, rlen))):
             raise ValueError("RolloutBatch: tokens must hold prompt_len + response_len ids per "
-                             "sample, loss_mask and rollout_logprobs response_len values")
+                             "sample, loss_mask, rollout_logprobs and token_advantages response_len values")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -74,23 +79,28 @@ class RolloutBatch:
         return int(np.count_nonzero(self.loss_mask.values))
 
     @staticmethod
-    def estimate_nbytes(num_samples: int, max_prompt_tokens: int, max_new_tokens: int) -> int:
+    def estimate_nbytes(num_samples: int, max_prompt_tokens: int, max_new_tokens: int,
+                        token_advantages: bool = False) -> int:
         """Upper bound of the payload of ``num_samples`` samples (codec alignment included)."""
         per_sample = (4 * (max_prompt_tokens + max_new_tokens)  # tokens
                       + 5 * max_new_tokens                         # loss_mask + rollout_logprobs
                       + 3 * 8 + 4 * 4 + 3 * 8)                     # offsets, scalar columns
-        return num_samples * per_sample + 64 * 16
+        slack = 64 * 16
+        if token_advantages:  # values and offsets, two more aligned buffers, one more offset
+            per_sample += 4 * max_new_tokens + 8
+            slack += 2 * 64 + 8
+        return num_samples * per_sample + slack
 
     def to_columns(self) -> Columns:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
     def from_columns(cls, columns: Columns) -> "RolloutBatch":
         names = {f.name for f in fields(cls)}
-        missing = names - columns.keys()
+        missing = {f.name for f in fields(cls) if f.default is MISSING} - columns.keys()
         if missing:
             raise ValueError(f"rollout columns lack {sorted(missing)}")
-        return cls(**{k: columns[k] for k in names})
+        return cls(**{k: columns[k] for k in names & columns.keys()})
 
     def select(self, idx: Sequence[int]) -> "RolloutBatch":
         """Rows ``idx`` as a new batch (arrays and flat columns copied, lists new lists)."""
@@ -98,7 +108,7 @@ class RolloutBatch:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v.take(idx) if isinstance(v, Ragged) else v[idx] \
+            out[f.name] = None if v is None else v.take(idx) if isinstance(v, Ragged) else v[idx] \
                 if isinstance(v, np.ndarray) else [v[i] for i in idx.tolist()]
         return RolloutBatch(**out)
 

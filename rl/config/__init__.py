@@ -101,6 +101,7 @@ class Config:
         self.rollout.check_cluster(self.cluster)  # each engine kind knows what it needs
         self.rollout.check_model(self.model)
         self.task.check_rollout(self.rollout)  # and each task what its answers need
+        self.task.check_algo(self.algo)
 
     def check_async(self) -> None:
         """What ``train_async.py`` needs beyond ``train.py`` (raised before any worker starts)."""

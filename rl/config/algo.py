@@ -54,6 +54,10 @@ class AlgoConfig:
     ``rollout.max_prompt_tokens + rollout.max_new_tokens`` (the longest possible sample)."""
     advantage_std_norm: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO)."""
+    turn_credit: bool = False
+    """An advantage per model turn of a multi-turn sample: each turn's reward (the task's
+    ``turn_rewards``) centred (and scaled) over the group, a token's advantage the sum of its
+    turn's and the later turns'; one turn: GRPO's. Needs a task that scores turns (docs/algo.md)."""
     tis_cap: float = 0.0
     """Truncated importance sampling against the engines' log-probs: each token's loss is
     weighted by min(exp(logp_learner - logp_engine), tis_cap); 0 = off."""

@@ -4,7 +4,7 @@ built from its schema by ``rl.tasks.build.build_task``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from omegaconf import MISSING, DictConfig
 
@@ -12,6 +12,7 @@ from rl.config.checks import positive
 from rl.config.rollout import DEFAULT_ROLLOUT_FUNCTION
 
 if TYPE_CHECKING:
+    from rl.config.algo import AlgoConfig
     from rl.config.rollout import RolloutConfig
 
 
@@ -23,9 +24,18 @@ class TaskConfig:
     seed: int = 0
     """Seed of the prompt stream."""
 
+    scores_turns: ClassVar[bool] = False
+    """Whether the task's reward scores each model turn (``turn_rewards``, ``algo.turn_credit``)."""
+
     def check_rollout(self, rollout: "RolloutConfig") -> None:
         """Cross-check with the sampling settings (called by the root config): what this
         task's answers need of ``rollout.max_new_tokens``."""
+
+    def check_algo(self, algo: "AlgoConfig") -> None:
+        """Cross-check with the algorithm (called by the root config)."""
+        if algo.turn_credit and not self.scores_turns:
+            raise ValueError(f"algo.turn_credit=true needs a task that scores each model turn; "
+                             f"task={self.name} scores the answer as a whole (task=calculator scores turns)")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +87,7 @@ class AdditionTaskConfig(TaskConfig):
 
 @dataclass(kw_only=True)
 class CalculatorTaskConfig(TaskConfig):
+    scores_turns: ClassVar[bool] = True
     name: str = "calculator"
     max_value: int = 4
     """Largest operand of the sum (4: sums of one digit; within 250 steps the tiny model on CPU

@@ -259,4 +259,4 @@ def estimate_partition_bytes(cfg: Config) -> int:
     per rank), for the capacity check of the segment each rank lends."""
     per_rank = -(-cfg.rollout.batch_size // cfg.cluster.num_learners)
     return RolloutBatch.estimate_nbytes(per_rank, cfg.rollout.max_prompt_tokens,
-                                        cfg.rollout.max_new_tokens)
+                                        cfg.rollout.max_new_tokens, token_advantages=cfg.algo.turn_credit)

@@ -345,11 +345,16 @@ class Learner:
         mask[resp] = batch.loss_mask.values
         rollout_logp = np.zeros((B, L - 1), dtype=np.float32)
         rollout_logp[resp] = batch.rollout_logprobs.values
+        if batch.token_advantages is None:  # one advantage a sample: [B]
+            adv = np.asarray(batch.advantages, dtype=np.float32)
+        else:  # one a token (algo.turn_credit): [B, L - 1], 0 off the response
+            adv = np.zeros((B, L - 1), dtype=np.float32)
+            adv[resp] = batch.token_advantages.values
         dev = self.device
         packed = {"ids": torch.from_numpy(ids).to(dev), "attn": torch.from_numpy(attn).to(dev),
                   "mask": torch.from_numpy(mask).to(dev),
                   "rollout_logp": torch.from_numpy(rollout_logp).to(dev),
-                  "adv": torch.from_numpy(np.asarray(batch.advantages, dtype=np.float32)).to(dev)}
+                  "adv": torch.from_numpy(adv).to(dev)}
         if old_logp is not None:
             old = np.zeros((B, L - 1), dtype=np.float32)
             old[resp] = old_logp.values

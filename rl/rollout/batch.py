@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from rl.rollout.functions import GroupReward, Sample, score_group
-from rl.tasks import Prompt
+from rl.tasks import Prompt, TurnRewards
 from rl.types import RolloutBatch
 from transfer.data.base import Ragged
 
@@ -32,14 +32,50 @@ def grpo_advantages(rewards: np.ndarray, group_size: int, std_norm: bool = True,
     return adv_gn.reshape(-1).astype(np.float32)
 
 
+def model_turns(loss_mask: list[int]) -> list[tuple[int, int]]:
+    """The model turns of a response: its runs of trained tokens (loss mask 1), as
+    ``(start, end)`` positions; the environment's tokens (mask 0) sit between them."""
+    turns, start = [], None
+    for i, m in enumerate([*loss_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            turns.append((start, i))
+            start = None
+    return turns
+
+
+def turn_advantages(rewards: list[list[float]], std_norm: bool = True, eps: float = 1e-6) -> list[np.ndarray]:
+    """Per sample of one group, per model turn, its tokens' advantage: the turn's reward
+    (``rewards[i][k]``) centred, and scaled by the std, over the group's samples that have a
+    turn ``k`` (as ``grpo_advantages`` does over the group). A turn is judged by its own reward
+    only, none of the later turns': a task's turn rewards say what each turn itself did. With
+    one turn a sample it is GRPO's."""
+    own = [np.zeros(len(r)) for r in rewards]
+    for k in range(max((len(r) for r in rewards), default=0)):
+        have = [i for i, r in enumerate(rewards) if len(r) > k]
+        x = np.array([rewards[i][k] for i in have], dtype=np.float64)
+        adv = x - x.mean()
+        if std_norm:
+            adv = adv / (x.std() + eps)
+        for i, a in zip(have, adv):
+            own[i][k] = a
+    return own
+
+
 def zero_std_groups(batch: RolloutBatch, group_size: int, drop: bool) -> int:
-    """Count the groups whose rewards are all equal (zero advantage: no policy gradient);
+    """Count the groups whose rewards are all equal (zero advantage: no policy gradient; with
+    ``algo.turn_credit``, the groups whose every token's advantage is 0);
     with ``drop``, take their samples out of the loss. Masked rather than removed, so that
     every learner rank still gets a partition of the same size, as FSDP requires; a step
     whose every group is dropped is stored, removed and logged like any other, and the
     learners skip its optimizer steps."""
-    r_gn = batch.rewards.reshape(-1, group_size)
-    flat_g = (r_gn == r_gn[:, :1]).all(axis=1)
+    if batch.token_advantages is None:
+        r_gn = batch.rewards.reshape(-1, group_size)
+        flat_g = (r_gn == r_gn[:, :1]).all(axis=1)
+    else:
+        flat_n = np.array([not np.any(a) for a in batch.token_advantages], dtype=bool)
+        flat_g = flat_n.reshape(-1, group_size).all(axis=1)
     if drop and flat_g.any():
         batch.loss_mask = batch.loss_mask.with_zeroed(np.repeat(flat_g, group_size))
     return int(flat_g.sum())
@@ -62,7 +98,8 @@ def split_balanced(lengths: np.ndarray, parts: int) -> list[list[int]]:
 
 def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
                 reward: Callable[[str, str, bool], float], *, group_size: int, std_norm: bool,
-                first_sample_id: int, group_reward: GroupReward | None = None) -> RolloutBatch:
+                first_sample_id: int, group_reward: GroupReward | None = None,
+                turn_rewards: TurnRewards | None = None) -> RolloutBatch:
     """The training batch of one step: each prompt's samples (from the rollout function,
     grouped by prompt), scored by ``reward(text, label, finished)`` unless a sample carries its
     own (``Sample.reward``; with ``group_reward``, the task's reward of a whole group:
@@ -72,8 +109,11 @@ def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
     # list, made one array each at the end (no per-sample arrays).
     tokens, mask, logps, plen, rlen, rewards = [], [], [], [], [], []
     group_ids, reasons, labels, versions = [], [], [], []
+    token_adv: list[np.ndarray] | None = None if turn_rewards is None else []
     for prompt, group in zip(prompts, groups):
         rewards += score_group(group, prompt, reward, group_reward)
+        if token_adv is not None:
+            token_adv += _token_advantages(group, prompt, turn_rewards, std_norm)
         for s in group:
             tokens += s.prompt_ids
             tokens += s.response_ids  # exactly as sampled (and appended)
@@ -97,7 +137,35 @@ def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
         group_id=np.asarray(group_ids, dtype=np.int64),
         sample_id=np.arange(first_sample_id, first_sample_id + n, dtype=np.int64),
         weight_version=np.asarray(versions, dtype=np.int64),
-        finish_reason=reasons, label=labels)
+        finish_reason=reasons, label=labels,
+        token_advantages=None if token_adv is None else Ragged.from_lengths(
+            np.concatenate(token_adv).astype(np.float32) if token_adv else np.zeros(0, np.float32), rlen_np))
+
+
+def _token_advantages(group: list[Sample], prompt: Prompt, turn_rewards: TurnRewards,
+                      std_norm: bool) -> list[np.ndarray]:
+    """Each sample's per-token advantage under ``algo.turn_credit``: its model turns
+    (``model_turns``) scored by the task's ``turn_rewards`` (a sample with its own reward:
+    that reward on its last turn), ``turn_advantages`` over the group, 0 on the environment's
+    tokens."""
+    turns = [model_turns(s.loss_mask) for s in group]
+    rewards = []
+    for s, t in zip(group, turns):
+        if s.reward is not None:
+            r = [0.0] * (len(t) - 1) + [float(s.reward)] if t else []
+        else:
+            r = [float(x) for x in turn_rewards(s.text, prompt.label, s.finished, len(t))]
+        if len(r) != len(t):
+            raise ValueError(f"the task's turn_rewards gave {len(r)} rewards for a sample of {len(t)} "
+                             f"model turn(s) of prompt {prompt.index} ({prompt.text!r}): one a turn")
+        rewards.append(r)
+    out = []
+    for s, t, adv in zip(group, turns, turn_advantages(rewards, std_norm)):
+        a = np.zeros(len(s.loss_mask), dtype=np.float32)
+        for (start, end), v in zip(t, adv):
+            a[start:end] = v
+        out.append(a)
+    return out
 
 
 def answer_weight_versions(meta: dict) -> list[int]:

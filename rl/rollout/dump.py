@@ -25,7 +25,8 @@ def dump_samples(path: str, step: int, prompts: list[Prompt], groups: list[list[
     """Write ``batch``'s samples (built from ``prompts`` and ``groups``, in order): the
     prompt, the response as text and as token ids, the loss mask as the batch holds it (a
     dropped zero-std group's is all 0), the engine's log-probs,
-    what the reward scored, the reward and advantage, and the sample's id and weight version."""
+    what the reward scored, the reward and advantage (and each token's, with
+    ``algo.turn_credit``), and the sample's id and weight version."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -41,6 +42,8 @@ def dump_samples(path: str, step: int, prompts: list[Prompt], groups: list[list[
                     "finished": s.finished, "weight_version": int(batch.weight_version[i]),
                     "prompt_ids": list(s.prompt_ids), "response_ids": list(s.response_ids),
                     "loss_mask": batch.loss_mask[i].tolist(), "logprobs": [round(x, 6) for x in s.logprobs],
+                    **({} if batch.token_advantages is None else
+                       {"token_advantages": [round(float(x), 6) for x in batch.token_advantages[i]]}),
                 }) + "\n")
                 i += 1
     os.replace(tmp, path)  # a reader never sees half a file

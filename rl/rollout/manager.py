@@ -33,7 +33,7 @@ from rl.rollout.functions import RolloutContext, RolloutFunction, Sample, score_
 from rl.rollout.fleet import EngineFleet, SyncPlan
 from rl.rollout.stream import Stream
 from rl.runtime import Runtime
-from rl.tasks import Prompt, group_reward
+from rl.tasks import Prompt, group_reward, turn_rewards
 from rl.config.task import JsonlTaskConfig
 from rl.tasks.build import build_task
 from rl.tasks.jsonl import read_rows
@@ -65,6 +65,10 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(runtime.model_path)
         self.task = build_task(cfg.task)
         self.group_reward = group_reward(self.task)
+        self.turn_rewards = turn_rewards(self.task) if cfg.algo.turn_credit else None
+        if cfg.algo.turn_credit and self.turn_rewards is None:
+            raise ValueError(f"algo.turn_credit=true: task={cfg.task.name} ({type(self.task).__name__}) "
+                             f"has no turn_rewards")
         rc = cfg.rollout
         self.rollout_fn = RolloutFunction(rc.function, n=rc.n_samples_per_prompt,
                                           max_prompt_tokens=rc.max_prompt_tokens,
@@ -195,6 +199,7 @@ class RolloutManager:
     def _build_batch(self, prompts: list[Prompt], groups: list[list[Sample]]) -> RolloutBatch:
         rc = self.cfg.rollout
         batch = build_batch(prompts, groups, self.task.reward, group_reward=self.group_reward,
+                            turn_rewards=self.turn_rewards,
                             group_size=rc.n_samples_per_prompt,
                             std_norm=self.cfg.algo.advantage_std_norm,
                             first_sample_id=self.next_sample_id)

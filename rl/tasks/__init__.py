@@ -6,6 +6,10 @@ Call order (the rollout manager)::
     r = task.reward(response_text, prompt.label, finished)   # finished = EOS was sampled
     state = task.state_dict(); task.load_state_dict(state)  # checkpoint / resume
 
+A task whose reward scores each model turn of a multi-turn sample may define
+``turn_rewards(response, label, finished, turns) -> list[float]`` (``turns`` its model turns,
+a reward each), used for the advantages with ``algo.turn_credit`` (``CalculatorTask``).
+
 A task whose reward compares one prompt's samples may also define
 ``group_reward(responses, label, finished) -> list[float]`` (``finished`` one flag a
 response); the manager then scores each group with it instead of ``reward`` (``CalculatorTask``
@@ -44,3 +48,12 @@ def group_reward(task: Task) -> Callable[[list[str], str, list[bool]], list[floa
     """The task's ``group_reward`` (it scores one prompt's samples together), or None for a
     task that scores each sample alone."""
     return getattr(task, "group_reward", None)
+
+
+TurnRewards = Callable[[str, str, bool, int], list[float]]
+
+
+def turn_rewards(task: Task) -> TurnRewards | None:
+    """The task's ``turn_rewards(response, label, finished, turns)`` (one reward a model turn,
+    for ``algo.turn_credit``), or None for a task that scores the answer as a whole."""
+    return getattr(task, "turn_rewards", None)

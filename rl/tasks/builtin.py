@@ -213,6 +213,36 @@ class CalculatorTask(_StreamTask):
         calls, _ = parse_calculator_transcript(response)
         return finished and bool(calls) and calls[0][1] == calculator(label)
 
+    def turn_rewards(self, response: str, label: str, finished: bool, turns: int) -> list[float]:
+        """One reward a model turn, for what that turn did (``algo.turn_credit``). A call and
+        its answer (two turns): the call earns its credit as in ``reward`` (0.2, and 0.15 a
+        right operand); the answer 0.5 for ending (the end-of-sequence token) and half its right
+        characters against the tool's result, whatever the call was: getting the sum is the
+        call's part, copying the result the answer's. An answer alone (no call): its
+        ``reward`` (0). A call left without room to answer: its credit alone. Unfinished: the
+        answer turn earns 0. ``copy_credit`` plays no part."""
+        calls, answer = parse_calculator_transcript(response)
+        if not calls and turns <= 1:
+            return [self.reward(response, label, finished)][:turns]
+        if not calls or turns > 2:
+            raise ValueError(f"a calculator sample of {turns} model turn(s) with {len(calls)} call(s): "
+                             f"{response!r}; a call and an answer, or an answer alone")
+        (call, result), m = calls[0], _CALL.match(calls[0][0])
+        call_credit = self._call_credit(call, label, m)
+        if turns == 1:  # the tool's result filled the budget
+            return [call_credit]
+        copied = 0.0 if m is None else char_credit(answer.strip(), result)
+        return [call_credit, 0.5 + 0.5 * copied if finished else 0.0]
+
+    @staticmethod
+    def _call_credit(call: str, label: str, m: re.Match | None) -> float:
+        """0.2 and 0.15 a right operand for a call the calculator reads (``m``, its match); a
+        fifth of its right characters for one it cannot."""
+        if m is None:
+            return 0.2 * char_credit(call.strip(), label)
+        a, b = label.split("+")
+        return 0.2 + 0.15 * ((m.group(1) == a) + (m.group(3) == b))
+
     @staticmethod
     def _reward(response: str, label: str, finished: bool, copy_credit: float) -> float:
         if not finished:
@@ -222,10 +252,10 @@ class CalculatorTask(_StreamTask):
             return 0.0
         (call, result), want = calls[0], calculator(label)
         m, (a, b) = _CALL.match(call), label.split("+")
+        call_credit = CalculatorTask._call_credit(call, label, m)
         if m is None:  # a call the calculator cannot read: credit for its right characters
-            return 0.2 * char_credit(call.strip(), label)
+            return call_credit
         right = (m.group(1) == a) + (m.group(3) == b)
-        call_credit = 0.2 + 0.15 * right
         if result == want:
             return call_credit + 0.5 * char_credit(answer.strip(), want)
         if copy_credit and right == 1 and m.group(2) == "+":  # a sum with one operand right

@@ -31,6 +31,18 @@ def test_pack_keeps_sampled_ids_and_masks_outside_the_response(tiny_path):
         np.testing.assert_array_equal(mb["rollout_logp"][i, p - 1:p - 1 + r].numpy(),
                                       batch.rollout_logprobs[i])
     assert mb["mask"][0].sum() == batch.response_len[0] - 1  # its last token was masked
+    assert mb["adv"].shape == (len(batch),)  # one advantage a sample
+    # with a per-token advantage (algo.turn_credit) it sits where the response's log-probs do
+    rng = np.random.default_rng(0)
+    batch.token_advantages = [rng.normal(size=int(r)).astype(np.float32) for r in batch.response_len]
+    batch.__post_init__()
+    mb = learner._pack(batch)
+    assert mb["adv"].shape == mb["mask"].shape
+    for i in range(len(batch)):
+        p, r = int(batch.prompt_len[i]), int(batch.response_len[i])
+        expect = np.zeros(mb["adv"].shape[1], dtype=np.float32)
+        expect[p - 1:p - 1 + r] = batch.token_advantages[i]
+        np.testing.assert_array_equal(mb["adv"][i].numpy(), expect)
 
 
 def test_split_balanced_is_even_and_balanced():
