@@ -56,8 +56,8 @@ class AlgoConfig:
     """Divide group-centred rewards by the group's standard deviation (GRPO)."""
     turn_credit: bool = False
     """An advantage per model turn of a multi-turn sample: each turn's reward (the task's
-    ``turn_rewards``) centred (and scaled) over the group, a token's advantage the sum of its
-    turn's and the later turns'; one turn: GRPO's. Needs a task that scores turns (docs/algo.md)."""
+    ``turn_rewards``) centred (and scaled) over the group, a turn judged by its own reward
+    only; one turn: GRPO's. Needs a task that scores turns (docs/algo.md)."""
     tis_cap: float = 0.0
     """Truncated importance sampling against the engines' log-probs: each token's loss is
     weighted by min(exp(logp_learner - logp_engine), tis_cap); 0 = off."""

@@ -55,6 +55,8 @@ def turn_advantages(rewards: list[list[float]], std_norm: bool = True, eps: floa
     for k in range(max((len(r) for r in rewards), default=0)):
         have = [i for i, r in enumerate(rewards) if len(r) > k]
         x = np.array([rewards[i][k] for i in have], dtype=np.float64)
+        if x.max() == x.min():  # a flat turn: exactly 0 (x - mean can leave rounding)
+            continue
         adv = x - x.mean()
         if std_norm:
             adv = adv / (x.std() + eps)
@@ -103,8 +105,9 @@ def build_batch(prompts: list[Prompt], groups: list[list[Sample]],
     """The training batch of one step: each prompt's samples (from the rollout function,
     grouped by prompt), scored by ``reward(text, label, finished)`` unless a sample carries its
     own (``Sample.reward``; with ``group_reward``, the task's reward of a whole group:
-    ``score_group``), with GRPO advantages over
-    each group of ``group_size`` and sample ids counted from ``first_sample_id``."""
+    ``score_group``), with GRPO advantages over each group of ``group_size`` (with
+    ``turn_rewards``, per-token ones as well: ``turn_advantages``) and sample ids counted from
+    ``first_sample_id``."""
     # Ragged fields are built flat: every sample's ids, mask and log-probs appended to one
     # list, made one array each at the end (no per-sample arrays).
     tokens, mask, logps, plen, rlen, rewards = [], [], [], [], [], []

@@ -42,6 +42,8 @@ def test_turn_advantages_by_hand_and_one_turn_is_grpo():
     assert [list(a) for a in scaled] == [pytest.approx([-1.0, 1.0], abs=1e-5),
                                          pytest.approx([1.0, -1.0], abs=1e-5)]
     assert turn_advantages([[], [1.0]]) == [pytest.approx([]), pytest.approx([0.0])]  # no turn; alone: 0
+    flat = turn_advantages([[0.35, 1.0]] * 6 + [[0.35, 0.5]])  # six alike and one: rounding
+    assert all(a[0] == 0.0 for a in flat)  # the flat turn exactly 0, not 1e-11
 
 
 def test_calculator_turn_rewards_credit_the_call_and_the_copy_apart():
