@@ -79,17 +79,19 @@ class RolloutBatch:
         return int(np.count_nonzero(self.loss_mask.values))
 
     @staticmethod
-    def estimate_nbytes(num_samples: int, max_prompt_tokens: int, max_new_tokens: int,
-                        token_advantages: bool = False) -> int:
-        """Upper bound of the payload of ``num_samples`` samples (codec alignment included)."""
+    def estimate_nbytes(num_samples: int, max_prompt_tokens: int, max_new_tokens: int, *,
+                        label_bytes: int, token_advantages: bool = False) -> int:
+        """Upper bound of the payload of ``num_samples`` samples (codec alignment included)
+        whose labels take at most ``label_bytes`` bytes of UTF-8 each."""
         per_sample = (4 * (max_prompt_tokens + max_new_tokens)  # tokens
                       + 5 * max_new_tokens                         # loss_mask + rollout_logprobs
-                      + 3 * 8 + 4 * 4 + 3 * 8)                     # offsets, scalar columns
-        slack = 64 * 16
-        if token_advantages:  # values and offsets, two more aligned buffers, one more offset
+                      + 3 * 8 + 4 * 4 + 3 * 8                      # offsets, scalar columns
+                      + 2 * 8 + len("length") + label_bytes)       # strings: offsets, bytes
+        buffers = 17  # each aligned, and each offsets array one entry longer than its column
+        if token_advantages:
             per_sample += 4 * max_new_tokens + 8
-            slack += 2 * 64 + 8
-        return num_samples * per_sample + slack
+            buffers += 2
+        return num_samples * per_sample + buffers * 64 + 6 * 8
 
     def to_columns(self) -> Columns:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

@@ -31,6 +31,11 @@ class TaskConfig:
         """Cross-check with the sampling settings (called by the root config): what this
         task's answers need of ``rollout.max_new_tokens``."""
 
+    def max_label_bytes(self) -> int:
+        """An upper bound of a label's UTF-8 bytes, for the stores' capacity estimate (a JSONL
+        task's is read from its file: ``rl.tasks.build.max_label_bytes``)."""
+        return 256
+
     def check_algo(self, algo: "AlgoConfig") -> None:
         """Cross-check with the algorithm (called by the root config)."""
         if algo.turn_credit and not self.scores_turns:
@@ -47,6 +52,9 @@ class RepeatLetterTaskConfig(TaskConfig):
     def __post_init__(self) -> None:
         positive(self, "repeat")
 
+    def max_label_bytes(self) -> int:
+        return self.repeat
+
 
 @dataclass(kw_only=True)
 class RepeatCountTaskConfig(TaskConfig):
@@ -62,6 +70,9 @@ class RepeatCountTaskConfig(TaskConfig):
         if self.max_repeat < self.min_repeat:
             raise ValueError(f"task.max_repeat={self.max_repeat} is below task.min_repeat="
                              f"{self.min_repeat}; raise it or lower task.min_repeat")
+
+    def max_label_bytes(self) -> int:
+        return self.max_repeat
 
     def check_rollout(self, rollout: "RolloutConfig") -> None:
         # One token per letter with the tiny model's tokenizer (more letters per token with
@@ -83,6 +94,9 @@ class AdditionTaskConfig(TaskConfig):
 
     def __post_init__(self) -> None:
         positive(self, "max_value")
+
+    def max_label_bytes(self) -> int:
+        return len(str(2 * self.max_value))  # the sum
 
 
 @dataclass(kw_only=True)
@@ -110,6 +124,9 @@ class CalculatorTaskConfig(TaskConfig):
         if self.copy_credit_fade and not self.copy_credit:
             raise ValueError("task.copy_credit_fade=true fades task.copy_credit, which is 0: "
                              "set task.copy_credit as well (e.g. 0.25)")
+
+    def max_label_bytes(self) -> int:
+        return 2 * len(str(self.max_value)) + 1  # the call, ``a+b``
 
     def check_rollout(self, rollout: "RolloutConfig") -> None:
         # a call (``99+99=``), the tool's result and a space (``198 ``) and the answer

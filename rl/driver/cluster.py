@@ -30,6 +30,7 @@ from rl.driver.weights import WeightPusher
 from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK, first_line
 from rl.probe import probe_port
 from rl.runtime import Runtime
+from rl.tasks.build import max_label_bytes
 from rl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -258,5 +259,6 @@ def estimate_partition_bytes(cfg: Config) -> int:
     """Upper bound of one learner rank's partition of a step in a store (equal sample counts
     per rank), for the capacity check of the segment each rank lends."""
     per_rank = -(-cfg.rollout.batch_size // cfg.cluster.num_learners)
-    return RolloutBatch.estimate_nbytes(per_rank, cfg.rollout.max_prompt_tokens,
-                                        cfg.rollout.max_new_tokens, token_advantages=cfg.algo.turn_credit)
+    return RolloutBatch.estimate_nbytes(per_rank, cfg.rollout.max_prompt_tokens, cfg.rollout.max_new_tokens,
+                                        label_bytes=max_label_bytes(cfg.task),
+                                        token_advantages=cfg.algo.turn_credit)

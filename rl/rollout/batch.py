@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from rl.rollout.functions import GroupReward, Sample, score_group
-from rl.tasks import Prompt, TurnRewards
+from rl.rollout.functions import Sample, score_group
+from rl.tasks import GroupReward, Prompt, TurnRewards
 from rl.types import RolloutBatch
 from transfer.data.base import Ragged
 

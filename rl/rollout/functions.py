@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from rl.rollout.client import EngineError
-from rl.tasks import Prompt
+from rl.tasks import GroupReward, Prompt
 from rl.tasks.builtin import (CALCULATOR_CALL_END, CALCULATOR_MAX_CALLS, CALCULATOR_RESULT_END, calculator,
                               calculator_transcript)
 
@@ -82,9 +82,6 @@ def score(sample: Sample, prompt: Prompt, reward: Callable[[str, str, bool], flo
     if sample.reward is not None:
         return float(sample.reward)
     return float(reward(sample.text, prompt.label, sample.finished))
-
-
-GroupReward = Callable[[list[str], str, list[bool]], list[float]]
 
 
 def score_group(samples: list[Sample], prompt: Prompt, reward: Callable[[str, str, bool], float],

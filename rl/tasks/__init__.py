@@ -44,7 +44,10 @@ class Task(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def group_reward(task: Task) -> Callable[[list[str], str, list[bool]], list[float]] | None:
+GroupReward = Callable[[list[str], str, list[bool]], list[float]]
+
+
+def group_reward(task: Task) -> GroupReward | None:
     """The task's ``group_reward`` (it scores one prompt's samples together), or None for a
     task that scores each sample alone."""
     return getattr(task, "group_reward", None)

@@ -58,6 +58,14 @@ def build_task(cfg: TaskConfig) -> Task:
     return builder(cfg)
 
 
+def max_label_bytes(cfg: TaskConfig) -> int:
+    """An upper bound of the UTF-8 bytes of the task's labels: a JSONL task's longest label,
+    read from its file; another task's from its schema (``TaskConfig.max_label_bytes``)."""
+    if isinstance(cfg, JsonlTaskConfig):
+        return max(len(label.encode("utf-8")) for _, label in read_rows(os.path.expanduser(cfg.path)))
+    return cfg.max_label_bytes()
+
+
 def check_task(cfg: TaskConfig) -> None:
     """What the task needs outside its config, checked by the driver before anything starts
     (``rl.driver.run.CheckConfigFirst``): a JSONL task's whole file is read, since a bad line

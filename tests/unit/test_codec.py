@@ -79,3 +79,22 @@ def test_views_are_zero_copy_and_aligned():
 def test_bad_columns_are_named(bad, fragment):
     with pytest.raises(TypeError, match=fragment):
         codec.plan(bad)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+@pytest.mark.parametrize("turn_credit", [False, True])
+def test_the_capacity_estimate_bounds_the_packed_batch(n, turn_credit):
+    """``RolloutBatch.estimate_nbytes`` (the stores' capacity check) holds a partition at its
+    longest, every string column included, and overshoots it by little."""
+    from rl.types import RolloutBatch
+    from tests.support.batches import make_batch
+
+    plen, rlen, label = 5, 9, "ü" * 6  # 12 bytes of UTF-8
+    b = make_batch(n, response=(rlen, rlen))
+    cols = {**b.__dict__, "prompt_len": np.full(n, plen, np.int32),
+            "tokens": [np.ones(plen + rlen, np.int32)] * n,
+            "finish_reason": ["length"] * n, "label": [label] * n,
+            "token_advantages": [np.zeros(rlen, np.float32)] * n if turn_credit else None}
+    packed = codec.plan(RolloutBatch(**cols).to_columns()).nbytes
+    bound = RolloutBatch.estimate_nbytes(n, plen, rlen, label_bytes=12, token_advantages=turn_credit)
+    assert packed <= bound < packed + 20 * 64 + 64, (packed, bound)

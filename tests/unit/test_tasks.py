@@ -180,3 +180,26 @@ def test_check_task_reads_the_file_and_imports_the_reward_before_anything_starts
     ]:
         with pytest.raises(ValueError, match=fragment):
             check_task(cfg)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("task=repeat_letter", "task.repeat=3"), ("task=repeat_count", "rollout.max_new_tokens=41"),
+    ("task=addition", "task.max_value=499"),
+    ("task=calculator", "task.max_value=12", "rollout.function=rl.rollout.functions:calculator_tool",
+     "rollout.max_new_tokens=16")])
+def test_max_label_bytes_bounds_every_label_of_a_built_in_task(overrides):
+    """The stores' capacity estimate counts labels at ``max_label_bytes``: reached, not passed."""
+    from rl.tasks.build import build_task, max_label_bytes
+
+    cfg = compose(*overrides)
+    labels = [p.label.encode() for p in build_task(cfg.task).next_prompts(3000)]
+    assert max(map(len, labels)) == max_label_bytes(cfg.task)
+
+
+def test_max_label_bytes_of_a_jsonl_task_is_its_longest_label(tmp_path):
+    from rl.config.task import JsonlTaskConfig
+    from rl.tasks.build import max_label_bytes
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": "q", "label": x}) for x in ("1", "ü" * 5, "abc")))
+    assert max_label_bytes(JsonlTaskConfig(path=str(path))) == 10

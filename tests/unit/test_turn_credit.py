@@ -97,8 +97,8 @@ def test_build_batch_gives_each_turn_its_advantage_and_the_columns_carry_it():
                                "rollout_logprobs": [np.zeros(r, np.float32)] * n})
         with_adv = RolloutBatch(**{**full.__dict__, "token_advantages": [np.zeros(r, np.float32)] * n})
         grown = codec.plan(with_adv.to_columns()).nbytes - codec.plan(full.to_columns()).nbytes
-        assert grown <= (RolloutBatch.estimate_nbytes(n, 2, r, token_advantages=True)
-                         - RolloutBatch.estimate_nbytes(n, 2, r)), (n, r)
+        assert grown <= (RolloutBatch.estimate_nbytes(n, 2, r, label_bytes=3, token_advantages=True)
+                         - RolloutBatch.estimate_nbytes(n, 2, r, label_bytes=3)), (n, r)
     # a group whose rewards are equal but whose answers differ is not flat under turn credit
     pair = [_sample(call_answer, "2+4=6 6"), _sample(call_answer, "2+4=6 =")]  # both 0.35
     for turns, flat in ((t.turn_rewards, 0), (None, 1)):
