@@ -105,8 +105,8 @@ class CalculatorTaskConfig(TaskConfig):
     name: str = "calculator"
     max_value: int = 4
     """Largest operand of the sum (4: sums of one digit; within 250 steps the tiny model on CPU
-    learns to call the tool, with most operands right in most runs, and to copy the tool's
-    result into its answer in some runs, not all: docs/rollout.md, "Over seeds")."""
+    learns to call the tool with most operands right and to copy the tool's result into its
+    answer, reliably with ``algo.turn_credit=true``: docs/rollout.md, "Over seeds")."""
     copy_credit: float = 0.0
     """Reward for an answer that copies the tool's result after a sum with one right operand,
     times its right characters (0: none, the default; the answer of a right call earns 0.5).

@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-from rl.rollout.batch import model_turns, turn_advantages
 from rl.tasks.builtin import CalculatorTask
+from tests.support.batches import assert_turn_advantages
 from tests.support.env import REPO, compose
 from tests.support.helpers import eval_task
 from tests.support.runs import (REQUIRED, assert_nothing_left, engine_ports, read_metrics, train,
@@ -201,20 +201,8 @@ def test_turn_credit_gives_each_model_turn_its_advantage(entry, tmp_path):
                   f"output_dir={tmp_path}")
     assert "step 2/2 | reward" in proc.stdout
     assert_nothing_left(engine_ports(proc.stdout))
-    task, groups = CalculatorTask(), {}
-    for path in sorted(tmp_path.glob("rollouts/step_*.jsonl")):
-        for d in map(json.loads, open(path)):
-            groups.setdefault((d["step"], d["prompt_index"]), []).append(d)
-    assert len(groups) >= 4
-    for g in groups.values():
-        turns = [model_turns(d["loss_mask"]) for d in g]
-        rewards = [task.turn_rewards(d["scored_text"], d["label"], d["finished"], len(t))
-                   for d, t in zip(g, turns)]
-        for d, t, adv in zip(g, turns, turn_advantages(rewards)):
-            want = np.zeros(len(d["loss_mask"]))
-            for (start, end), v in zip(t, adv):
-                want[start:end] = v
-            assert d["token_advantages"] == pytest.approx(want.tolist(), abs=1e-5)
+    dumped = [json.loads(line) for p in sorted(tmp_path.glob("rollouts/step_*.jsonl")) for line in open(p)]
+    assert assert_turn_advantages(dumped, CalculatorTask()) >= 4
 
 
 def test_a_rollout_function_that_cannot_be_imported_stops_the_run_before_it_starts(tmp_path):

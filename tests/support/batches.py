@@ -1,12 +1,12 @@
 """Rollout data for the tests: a random ``RolloutBatch`` of tiny-model token ids, and the
-batch of groups some of whose rewards are all equal, and the exact comparison of two decoded
-column dicts (dtype, shape and every value)."""
+batch of groups some of whose rewards are all equal, the exact comparison of two decoded
+column dicts (dtype, shape and every value), and the check of dumped per-token advantages."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from rl.rollout.batch import grpo_advantages
+from rl.rollout.batch import grpo_advantages, model_turns, turn_advantages
 from rl.types import RolloutBatch
 from transfer.data.base import Ragged
 
@@ -61,3 +61,25 @@ def assert_same(a: dict, b: dict) -> None:
         else:
             assert y == x and [type(v) for v in (y or [])] == [type(v) for v in (x or [])] \
                 if isinstance(x, list) else y == x, name
+
+
+def assert_turn_advantages(samples: list[dict], task) -> int:
+    """Dumped samples (``rollout.dump_every``) of a run with ``algo.turn_credit=true`` and the
+    default ``algo.advantage_std_norm``: each sample's per-token advantages are its group's
+    turn rewards (``task.turn_rewards``) through ``turn_advantages``, one value a model turn,
+    0 on the environment's tokens. Returns the number of groups."""
+    import pytest
+
+    groups: dict[tuple, list[dict]] = {}
+    for d in samples:
+        groups.setdefault((d["step"], d["prompt_index"]), []).append(d)
+    for g in groups.values():
+        turns = [model_turns(d["loss_mask"]) for d in g]
+        rewards = [task.turn_rewards(d["scored_text"], d["label"], d["finished"], len(t))
+                   for d, t in zip(g, turns)]
+        for d, t, adv in zip(g, turns, turn_advantages(rewards)):
+            want = np.zeros(len(d["loss_mask"]))
+            for (start, end), v in zip(t, adv):
+                want[start:end] = v
+            assert d["token_advantages"] == pytest.approx(want.tolist(), abs=1e-5), d
+    return len(groups)

@@ -50,13 +50,16 @@ def test_calculator_turn_rewards_credit_the_call_and_the_copy_apart():
     t = CalculatorTask()
     assert t.turn_rewards("2+3=5 5", "2+3", True, 2) == pytest.approx([0.5, 1.0])
     assert t.turn_rewards("2+3=5 =", "2+3", True, 2) == pytest.approx([0.5, 0.5])  # the sum, ended, no copy
+    assert t.turn_rewards("2-3=-1 -1", "2+3", True, 2) == pytest.approx([0.2, 1.0])  # not a sum: no operand
+    assert t.turn_rewards("2*3=6 6", "2+3", True, 2) == pytest.approx([0.2, 1.0])
+    assert t.turn_rewards("1+4=5 5", "2+3", True, 2) == pytest.approx([0.2, 1.0])  # the sum by chance
     assert t.turn_rewards("2+4=6 6", "2+3", True, 2) == pytest.approx([0.35, 1.0])  # a copy of a wrong sum
     assert t.reward("2+4=6 6", "2+3", True) == pytest.approx(0.35)  # the reward itself: unchanged
     assert t.turn_rewards("2+4=6 66", "2+3", True, 2) == pytest.approx([0.35, 0.75])  # by character
     assert t.turn_rewards("2+=error 3", "2+3", True, 2) == pytest.approx([0.2 * 2 / 3, 0.5])
     assert t.turn_rewards("5", "2+3", True, 1) == [0.0]  # no call: the reward, 0
-    assert t.turn_rewards("2+3=5 5", "2+3", False, 2) == [0.5, 0.0]  # the answer did not end
-    assert t.turn_rewards("2+3=5 ", "2+3", False, 1) == [0.5]  # no room left to answer
+    assert t.turn_rewards("2+3=5 5", "2+3", False, 2) == pytest.approx([0.5, 0.0])  # the answer did not end
+    assert t.turn_rewards("2+3=5 ", "2+3", False, 1) == pytest.approx([0.5])  # no room left to answer
     with pytest.raises(ValueError, match="a calculator sample of 3 model turn"):
         t.turn_rewards("2+3=5 5", "2+3", True, 3)
 
