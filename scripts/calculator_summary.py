@@ -14,6 +14,8 @@ A path is a run's `output_dir` (its metrics.jsonl and rollouts/) or a metrics fi
 docs/runs keeps some runs' last dump), and without one the last column reads "-". `--json`
 prints every figure, the share of answers equal to the call's second operand too (the usual
 wrong copy), and of groups with a call that gave the sum (``task.copy_credit_fade``).
+`--mean` adds a row of the runs' means (the first right answer: the latest run's, "by step N";
+the last column only if every run kept its dump).
 """
 
 from __future__ import annotations
@@ -52,8 +54,23 @@ def summarise(path: str) -> dict:
     return out
 
 
+def mean(runs: list[dict]) -> dict:
+    """The runs' mean figure by figure (``--mean``), as one more row: each figure that every run
+    has; the first right answer, the latest run's (none if a run had none)."""
+    out: dict = {"run": f"mean of {len(runs)} runs", "by": True}
+    for k, v in runs[0].items():
+        values = [r.get(k) for r in runs]
+        if isinstance(v, (int, float)) and all(isinstance(x, (int, float)) for x in values):
+            out[k] = float(np.mean(values))
+    firsts = [r["first_right_step"] for r in runs]
+    out["first_right_step"] = None if None in firsts else max(firsts)
+    for k in ("eval_reward", "eval_pass"):
+        out.setdefault(k, None)
+    return out
+
+
 def row(s: dict) -> str:
-    first = f"step {s['first_right_step']}" if s["first_right_step"] else "none"
+    first = f"{'by ' if s.get('by') else ''}step {s['first_right_step']}" if s["first_right_step"] else "none"
     ev = f"{s['eval_reward']:.2f} / {s['eval_pass']:.2f}" if s["eval_reward"] is not None else "-"
     last = (f"{s['calls']:.2f} / {s['operands_right']:.2f} / {s['answers_copied']:.2f}" if "calls" in s
             else "-")
@@ -62,5 +79,5 @@ def row(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    for line in summary_cli(__doc__, summarise, row):
+    for line in summary_cli(__doc__, summarise, row, mean):
         print(line)

@@ -26,16 +26,22 @@ def read_metrics(path: str) -> list[dict]:
     return rows
 
 
-def summary_cli(doc: str, summarise: Callable[[str], dict], row: Callable[[dict], str]) -> Iterator[str]:
+def summary_cli(doc: str, summarise: Callable[[str], dict], row: Callable[[dict], str],
+                mean: Callable[[list[dict]], dict] | None = None) -> Iterator[str]:
     """The command line of the scripts that print a table row per run (scripts/*_summary.py):
     paths of runs (an ``output_dir`` or a metrics.jsonl) -> the lines to print,
-    ``row(summarise(path))`` each, or with ``--json`` every figure as a JSON object."""
+    ``row(summarise(path))`` each, or with ``--json`` every figure as a JSON object; where the
+    script gives ``mean``, ``--mean`` adds one more line, ``row(mean(summaries))``."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="a run's output_dir, or its metrics.jsonl")
     parser.add_argument("--json", action="store_true", help="every figure, one JSON object per run")
+    if mean is not None:
+        parser.add_argument("--mean", action="store_true", help="one more row: the runs' mean")
     args = parser.parse_args()
-    for path in args.paths:
-        s = summarise(path)
+    summaries = [summarise(path) for path in args.paths]
+    if mean is not None and args.mean:
+        summaries.append(mean(summaries))
+    for s in summaries:
         yield json.dumps(s) if args.json else row(s)
 
 

@@ -61,3 +61,22 @@ def test_runs_before_the_partial_metric_and_short_runs(summary, tmp_path):
     assert summary.row(s).endswith("| - | 0.00 | 0 | - |")
     with pytest.raises(SystemExit, match="150 steps logged, the summary reads 200"):
         summary.summarise(_write(tmp_path / "short.jsonl", [0.2] * 150))
+
+
+def test_calculator_summary_mean_row():
+    """scripts/calculator_summary.py --mean: each figure every run has, averaged; the first
+    right answer the latest run's ("by step N"), none if a run had none; no last column unless
+    every run kept its dump."""
+    spec = importlib.util.spec_from_file_location("calculator_summary",
+                                                  os.path.join(REPO, "scripts", "calculator_summary.py"))
+    calc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calc)
+    base = {"steps": 250, "entropy_last10": 0.1, "eval_step": 250, "eval_reward": 0.5, "eval_pass": 0.25}
+    a = {"run": "a", **base, "reward_last20": 0.4, "right_last20": 0.1, "first_right_step": 80,
+         "calls": 1.0, "operands_right": 0.8, "answers_copied": 0.5}
+    b = {"run": "b", **base, "reward_last20": 0.6, "right_last20": 0.3, "first_right_step": 95}
+    m = calc.mean([a, b])
+    assert m["reward_last20"] == pytest.approx(0.5) and m["right_last20"] == pytest.approx(0.2)
+    assert "calls" not in m  # b kept no dump
+    assert calc.row(m) == "| mean of 2 runs | 0.50 | 0.200 | by step 95 | 0.10 | 0.50 / 0.25 | - |"
+    assert calc.row(calc.mean([a, {**b, "first_right_step": None}])).split(" | ")[3] == "none"
