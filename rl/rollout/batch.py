@@ -6,11 +6,13 @@ advantages (``grpo_advantages``), and each sample's weight version, the oldest i
 (``sample_weight_version``; ``is_partial``, ``partial_frac``: tokens from more than one);
 ``zero_std_groups`` counts (and may mask) the groups without a learning signal;
 ``split_balanced`` splits the batch over the learner ranks; ``encode_prompt`` turns a
-prompt's text into the token ids the engines get.
+prompt's text into the token ids the engines get; ``check_label_bytes`` warns of a label
+longer than the stores' capacity check counted on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
@@ -19,6 +21,8 @@ from rl.rollout.functions import Sample, score_group
 from rl.tasks import GroupReward, Prompt, TurnRewards
 from rl.types import RolloutBatch
 from transfer.data.base import Ragged
+
+logger = logging.getLogger(__name__)
 
 
 def grpo_advantages(rewards: np.ndarray, group_size: int, std_norm: bool = True,
@@ -226,3 +230,16 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_label_bytes(labels: list[str], bound: int, task: str) -> int:
+    """Warns when a batch's label is longer than ``bound``, the task's ``max_label_bytes``
+    that the stores' capacity check counted on (a store that fills up fails a put), and
+    returns the bound raised to the longest label seen, so that it warns once per new length."""
+    longest = max((len(label.encode("utf-8")) for label in labels), default=0)
+    if longest <= bound:
+        return bound
+    logger.warning("a label of %d bytes is longer than task=%s's max_label_bytes (%d), which the stores' "
+                   "capacity check counted on: a full store fails a put; override max_label_bytes in "
+                   "the task's config (rl/config/task.py)", longest, task, bound)
+    return longest

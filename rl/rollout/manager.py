@@ -25,7 +25,8 @@ import numpy as np
 from rl.backends import data_path
 from rl.config import Config
 from rl.model import load_tokenizer
-from rl.rollout.batch import build_batch, encode_prompt, partial_frac, split_balanced, zero_std_groups
+from rl.rollout.batch import (build_batch, check_label_bytes, encode_prompt, partial_frac, split_balanced,
+                              zero_std_groups)
 from rl.rollout.client import EngineError
 from rl.rollout.dump import dump_path, dump_samples
 from rl.rollout.fanout import EnginePool, run_groups
@@ -35,7 +36,7 @@ from rl.rollout.stream import Stream
 from rl.runtime import Runtime
 from rl.tasks import Prompt, group_reward, turn_rewards
 from rl.config.task import JsonlTaskConfig
-from rl.tasks.build import build_task
+from rl.tasks.build import build_task, max_label_bytes
 from rl.tasks.jsonl import read_rows
 from rl.types import RolloutBatch, RolloutRef
 
@@ -65,6 +66,7 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(runtime.model_path)
         self.task = build_task(cfg.task)
         self.group_reward = group_reward(self.task)
+        self.label_bytes = max_label_bytes(cfg.task)  # the stores' capacity estimate counts labels at this
         self.turn_rewards = turn_rewards(self.task) if cfg.algo.turn_credit else None
         if cfg.algo.turn_credit and self.turn_rewards is None:
             raise ValueError(f"algo.turn_credit=true: task={cfg.task.name} ({type(self.task).__name__}) "
@@ -204,6 +206,7 @@ class RolloutManager:
                             std_norm=self.cfg.algo.advantage_std_norm,
                             first_sample_id=self.next_sample_id)
         self.next_sample_id += len(batch)
+        self.label_bytes = check_label_bytes(batch.label, self.label_bytes, self.cfg.task.name)
         return batch
 
     def _put_partitions(self, batch: RolloutBatch, parts: list[list[int]], step: int) -> list:

@@ -203,3 +203,14 @@ def test_max_label_bytes_of_a_jsonl_task_is_its_longest_label(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": "q", "label": x}) for x in ("1", "ü" * 5, "abc")))
     assert max_label_bytes(JsonlTaskConfig(path=str(path))) == 10
+
+
+def test_a_label_longer_than_the_bound_is_warned_of_once_per_length(caplog):
+    from rl.rollout.batch import check_label_bytes
+
+    assert check_label_bytes(["ab", "ü"], 2, "jsonl") == 2 and not caplog.records
+    with caplog.at_level("WARNING", logger="rl.rollout.batch"):
+        assert check_label_bytes(["abc", "üü"], 2, "mine") == 4
+        assert check_label_bytes(["abcd"], 4, "mine") == 4
+    [record] = caplog.records
+    assert "a label of 4 bytes is longer than task=mine's max_label_bytes (2)" in record.getMessage()
