@@ -216,12 +216,13 @@ class CalculatorTask(_StreamTask):
     def turn_rewards(self, response: str, label: str, finished: bool, turns: int) -> list[float]:
         """One reward a model turn, for what that turn did (``algo.turn_credit``). A call and
         its answer (two turns): the call earns its credit as in ``reward`` (0.2, and 0.15 a
-        right operand), its operands counted only in a sum (``3-2`` for ``3+2`` earns 0.2, as
-        any call the calculator reads); the answer 0.5 for ending (the end-of-sequence token) and
-        half its right characters against the tool's result, whatever the call was: getting the
-        sum is the call's part, copying the result the answer's. An answer alone (no call): its
-        ``reward`` (0). A call left without room to answer: its credit alone. Unfinished: the
-        answer turn earns 0. ``copy_credit`` plays no part."""
+        right operand, whatever the operator: ``3-2`` for ``3+2`` earns 0.5, as the right call
+        does; counting operands only in a sum learnt less, docs/rollout.md "Over seeds"); the
+        answer 0.5 for ending (the end-of-sequence token) and half its right characters against
+        the tool's result, whatever the call was: getting the sum is the call's part, copying the
+        result the answer's. An answer alone (no call): its ``reward`` (0). A call left without
+        room to answer: its credit alone. Unfinished: the answer turn earns 0. ``copy_credit``
+        plays no part."""
         calls, answer = parse_calculator_transcript(response)
         if not calls and turns <= 1:
             return [self.reward(response, label, finished)][:turns]
@@ -229,8 +230,7 @@ class CalculatorTask(_StreamTask):
             raise ValueError(f"a calculator sample of {turns} model turn(s) with {len(calls)} call(s): "
                              f"{response!r}; a call and an answer, or an answer alone")
         (call, result), m = calls[0], _CALL.match(calls[0][0])
-        # operands count in a sum only: ``3-2`` for ``3+2`` earns what any call the calculator reads does
-        call_credit = 0.2 if m is not None and m.group(2) != "+" else self._call_credit(call, label, m)
+        call_credit = self._call_credit(call, label, m)  # the operator unchecked: docs/algo.md
         if turns == 1:  # the tool's result filled the budget
             return [call_credit]
         copied = 0.0 if m is None else char_credit(answer.strip(), result)

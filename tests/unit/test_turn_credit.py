@@ -50,8 +50,8 @@ def test_calculator_turn_rewards_credit_the_call_and_the_copy_apart():
     t = CalculatorTask()
     assert t.turn_rewards("2+3=5 5", "2+3", True, 2) == pytest.approx([0.5, 1.0])
     assert t.turn_rewards("2+3=5 =", "2+3", True, 2) == pytest.approx([0.5, 0.5])  # the sum, ended, no copy
-    assert t.turn_rewards("2-3=-1 -1", "2+3", True, 2) == pytest.approx([0.2, 1.0])  # not a sum: no operand
-    assert t.turn_rewards("2*3=6 6", "2+3", True, 2) == pytest.approx([0.2, 1.0])
+    assert t.turn_rewards("2-3=-1 -1", "2+3", True, 2) == pytest.approx([0.5, 1.0])  # the operator unchecked
+    assert t.reward("2-3=-1 -1", "2+3", True) == pytest.approx(0.5)  # where the reward gives it half
     assert t.turn_rewards("1+4=5 5", "2+3", True, 2) == pytest.approx([0.2, 1.0])  # the sum by chance
     assert t.turn_rewards("2+4=6 6", "2+3", True, 2) == pytest.approx([0.35, 1.0])  # a copy of a wrong sum
     assert t.reward("2+4=6 6", "2+3", True) == pytest.approx(0.35)  # the reward itself: unchanged
