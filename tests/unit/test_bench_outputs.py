@@ -12,7 +12,7 @@ from tests.support.env import REPO
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 BENCHES = {"transfer_bench": "--out", "async_bench": "--out", "weight_sync_bench": "--out",
-           "step_bench": "--json", "microbatch_bench": "--out"}
+           "step_bench": "--json", "microbatch_bench": "--out", "decode_cost": "--out"}
 
 
 @pytest.mark.parametrize("name,flag", BENCHES.items())

@@ -1,6 +1,6 @@
 """The CPU engine's generation in this process, no server: decoding stops at the first EOS,
-and a burst of requests longer than the batch wait is decoded as one batch. Over HTTP:
-tests/integration/test_engine.py."""
+a burst of requests longer than the batch wait is decoded as one batch, and a request that
+finishes leaves its batch and is answered at once. Over HTTP: tests/integration/test_engine.py."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def test_a_burst_longer_than_the_wait_is_decoded_as_one_batch(tiny_path):
     from rl.rollout.engines.scheduler import BatchScheduler
 
     class Recording(HFEngine):  # the real engine, noting the rows of each batch it decodes
-        def run(self, states, pause=None):
+        def run(self, states, pause=None, on_finish=None):
             self.batches.append(len(states))
-            return super().run(states, pause)
+            return super().run(states, pause, on_finish)
 
     tok = load_tokenizer(tiny_path)
     engine = Recording(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
@@ -56,3 +56,53 @@ def test_a_burst_longer_than_the_wait_is_decoded_as_one_batch(tiny_path):
     assert engine.batches == [8, 2]
     assert [len(r) for r in first] == [1] * 8 and len(second) == 2
     assert all(1 <= len(r.output_ids) <= 2 for r in [*(r[0] for r in first), *second])
+
+
+def test_a_finished_request_leaves_the_batch_and_is_answered_at_once(tiny_path):
+    """As SGLang's scheduler: a short request decoded beside a long one is answered while the
+    long one still decodes, and the batch's later forward passes carry the long one's row
+    alone; both answers are what each request gets decoded by itself (greedy)."""
+    import asyncio
+    import threading
+
+    from rl.rollout.engines.scheduler import BatchScheduler
+
+    tok = load_tokenizer(tiny_path)
+    model = load_model(tiny_path)
+    rows = []  # batch rows of every forward pass
+    model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]),
+                                    with_kwargs=True)
+
+    class Held(BatchScheduler):  # the real scheduler, the batch held at its 10th step boundary
+        boundaries = 0
+        reached, go = threading.Event(), threading.Event()
+
+        def pause_mode(self):
+            self.boundaries += 1
+            if self.boundaries == 10:
+                self.reached.set()
+                assert self.go.wait(30)
+            return super().pause_mode()
+
+    engine = HFEngine(model, tok, eos_token_ids(tiny_path, tok), seed=0)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    short, long = (GenRequest(tok.encode("ab:"), max_new_tokens=n, **greedy) for n in (3, 20))
+    scheduler = Held(engine, max_batch_size=8, batch_wait_s=0.2)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        a, b = (asyncio.ensure_future(scheduler.submit([r])) for r in (short, long))
+        assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
+        await asyncio.sleep(0.05)  # the answer crosses to this loop
+        early = (a.done(), b.done(), scheduler.running())
+        scheduler.go.set()
+        return early, (await a)[0], (await b)[0]
+
+    early, a, b = asyncio.run(scenario())
+    assert early == (True, False, 1)
+    assert rows[:4] == [2, 2, 2, 1] and set(rows[4:]) == {1}  # prefill, 2 decodes, then alone
+    assert (len(a.output_ids), len(b.output_ids)) == (3, 20)
+    alone = [engine.generate([r])[0] for r in (short, long)]
+    assert [a.output_ids, b.output_ids] == [r.output_ids for r in alone]
+    torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(alone[1].logprobs),
+                               atol=2e-5, rtol=1e-5)

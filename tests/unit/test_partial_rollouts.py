@@ -117,8 +117,8 @@ def _run(engine: HFEngine, mode: str, prompt: list[int], new_model):
         assert not first.done()
         if mode == "retract":  # the long request waits, with its output; a flush may run
             assert (scheduler.running(), scheduler.waiting(), scheduler.idle()) == (0, 1, True)
-        else:  # it stays on the model
-            assert scheduler.running() == 2 and not scheduler.idle()
+        else:  # it stays on the model (the short one has finished and left the batch)
+            assert scheduler.running() == 1 and not scheduler.idle()
         later = asyncio.ensure_future(scheduler.submit([GenRequest(prompt, max_new_tokens=8, **greedy)]))
         await loop.run_in_executor(None, _push, engine, new_model, "2")
         scheduler.resume()

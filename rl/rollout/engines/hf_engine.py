@@ -28,7 +28,12 @@ the next forward pass:
 
 Either way each output token's log-prob is computed by the weights that sampled it, and a
 request that saw a version change answers its versions as SGLang's spans
-(``weight_versions``). A weight update outside a pause waits for the running batch to end,
+(``weight_versions``).
+
+As in SGLang's scheduler, a request that finishes leaves the batch at once (its rows of the
+KV cache and of the sampler's state with it), so a batch's later steps compute only the
+requests still decoding, and it is reported finished then (``run``'s ``on_finish``), not
+when the batch ends. A weight update outside a pause waits for the running batch to end,
 as SGLang's ``model_update_lock`` makes it wait for the requests in flight
 (``tokenizer_control_mixin.update_weights_from_distributed``).
 """
@@ -39,6 +44,7 @@ import hashlib
 import inspect
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -147,17 +153,21 @@ class HFEngine:
         return [self.result(s) for s in states]
 
     @torch.no_grad()
-    def run(self, states: list[GenState], pause: PausePoint | None = None) -> None:
+    def run(self, states: list[GenState], pause: PausePoint | None = None,
+            on_finish: Callable[[GenState], None] | None = None) -> None:
         """Decode the unfinished ``states`` as one batch until each has finished, or until
         ``pause`` retracts them: then the unfinished ones keep ``finish_reason`` None, and a
-        later ``run`` resumes them (see the module's docstring)."""
+        later ``run`` resumes them (see the module's docstring). ``on_finish(state)`` is
+        called, on this thread, as each request finishes."""
         with self.lock:
-            self._run(states, pause)
+            self._run(states, pause, on_finish or (lambda s: None))
 
-    def _run(self, states: list[GenState], pause: PausePoint | None) -> None:
+    def _run(self, states: list[GenState], pause: PausePoint | None,
+             on_finish: Callable[[GenState], None]) -> None:
         for s in states:
             if s.finish_reason is None and s.req.max_new_tokens <= 0:
                 s.finish_reason, s.version = {"type": "length", "length": 0}, self.weight_version
+                on_finish(s)
         active = [s for s in states if s.finish_reason is None]
         if not active:  # max_new_tokens=0 everywhere: nothing to run
             return
@@ -183,15 +193,26 @@ class HFEngine:
             tok, logp = sampler.sample(out.logits[:, -1, :])
             sampler.record(tok)
             tok_l, logp_l = tok.tolist(), logp.tolist()
+            keep = []
             for i, s in enumerate(active):  # the lock is held: these logits are this version's
+                s.add(tok_l[i], logp_l[i], self.weight_version)
+                s.finish_reason = self._finished(s.req, s.output_ids, stops[i], tails[i])
                 if s.finish_reason is None:
-                    s.add(tok_l[i], logp_l[i], self.weight_version)
-                    s.finish_reason = self._finished(s.req, s.output_ids, stops[i], tails[i])
-            if all(s.finish_reason is not None for s in active):
+                    keep.append(i)
+                else:
+                    on_finish(s)
+            if not keep:
                 return
+            if len(keep) < len(active):  # finished requests leave the batch
+                idx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(idx)
+                sampler.select(idx)
+                attn, pos, tok = attn[idx], pos[idx], tok[idx]
+                active, stops, tails = ([x[i] for i in keep] for x in (active, stops, tails))
+                B = len(active)
             if pause is not None and self._retracting(pause):
                 for s in active:
-                    s.retractions += s.finish_reason is None
+                    s.retractions += 1
                 return
             attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
             pos = pos[:, -1:] + 1

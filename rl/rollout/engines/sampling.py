@@ -241,6 +241,17 @@ class BatchSampler:
         tok_b = torch.where(greedy_b, logits_bv.argmax(-1), tok_b)
         return tok_b, logp_bv.gather(1, tok_b[:, None]).squeeze(1)
 
+    def select(self, idx_b: torch.Tensor) -> None:
+        """Keep only the rows ``idx_b`` (the requests still decoding), in that order."""
+        rows = idx_b.tolist()
+        self.top_k = [self.top_k[i] for i in rows]
+        self.top_p = [self.top_p[i] for i in rows]
+        for name in ("temps_b", "greedy_b", "min_p_b", "freq_b", "pres_b", "min_new_b",
+                     "freq_acc_bv", "pres_acc_bv", "stop_ban_bv"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[idx_b])
+
     def record(self, tok_b: torch.Tensor) -> None:
         """Count the tokens just generated (SGLang's ``cumulate_output_tokens``)."""
         idx_b1 = tok_b[:, None]

@@ -2,9 +2,9 @@
 pause and continue (``/pause_generation``, ``/continue_generation``).
 
 Requests are queued and run in batches on one worker thread; a batch closes after a quiet
-gap. While paused no batch starts; what a pause does to the running batch depends on its
-mode (``hf_engine``'s docstring; SGLang 0.5.23's ``Scheduler.pause_generation``). The
-scheduler is the running batch's ``PausePoint``.
+gap, and each request is answered as it finishes. While paused no batch starts; what a pause
+does to the running batch depends on its mode (``hf_engine``'s docstring; SGLang 0.5.23's
+``Scheduler.pause_generation``). The scheduler is the running batch's ``PausePoint``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from functools import partial
 
 from rl.rollout.engines.hf_engine import IN_PLACE, RETRACT, GenRequest, GenState, HFEngine
 
@@ -130,10 +131,10 @@ class BatchScheduler:
                     self._state.wait()
                 self._waiting -= len(items)
                 self._running = len(items)
-            states = [s for s, _, _ in items]
+            waiters = {id(s): (fut, loop) for s, fut, loop in items}
             error = None
             try:
-                self.engine.run(states, self)
+                self.engine.run([s for s, _, _ in items], self, partial(self._answer, waiters))
             except Exception as e:  # the batch fails, the server lives on
                 error = e
             retracted = [] if error else [it for it in items if it[0].finish_reason is None]
@@ -143,11 +144,18 @@ class BatchScheduler:
                 self._waiting += len(retracted)
                 self.batches_done += 1
                 self._state.notify_all()
-            for state, fut, loop in items:
-                if error is not None:
+            if error is not None:  # the requests not answered yet fail with the batch
+                for fut, loop in waiters.values():
                     loop.call_soon_threadsafe(_set_exception, fut, error)
-                elif state.finish_reason is not None:
-                    loop.call_soon_threadsafe(_set_result, fut, self.engine.result(state))
+
+
+    def _answer(self, waiters: dict, state: GenState) -> None:
+        """A request finished: it leaves the running batch and is answered now (as SGLang
+        answers each request as it finishes), not when its batch ends."""
+        fut, loop = waiters.pop(id(state))
+        with self._state:
+            self._running -= 1
+        loop.call_soon_threadsafe(_set_result, fut, self.engine.result(state))
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
