@@ -16,6 +16,13 @@ prints every figure, the share of answers equal to the call's second operand too
 wrong copy), and of groups with a call that gave the sum (``task.copy_credit_fade``).
 `--mean` adds a row of the runs' means (the first right answer: the latest run's, "by step N";
 the last column only if every run kept its dump).
+
+`--by-dump` prints instead one row per dumped step of each run (its `rollouts/`, or the
+directory `<name>_dumps/` beside `<name>_metrics.jsonl`): the step, then that step's calls,
+operands right and answers copied, the figures of the last column above (`--json`: every
+figure of `calculator_dump_stats`):
+
+    python scripts/calculator_summary.py --by-dump docs/runs/calculator_metrics.jsonl
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -54,6 +62,32 @@ def summarise(path: str) -> dict:
     return out
 
 
+def dump_files(path: str) -> list[str]:
+    """Every samples dump of a run, by step: an ``output_dir``'s ``rollouts/``, or for
+    ``<name>_metrics.jsonl`` the directory ``<name>_dumps/`` beside it (docs/runs)."""
+    where = (path.removesuffix("_metrics.jsonl") + "_dumps" if path.endswith("_metrics.jsonl")
+             else os.path.join(path, "rollouts"))
+    return sorted(glob.glob(os.path.join(where, "step_*.jsonl")))
+
+
+def by_dump(path: str) -> list[dict]:
+    """``--by-dump``: the figures of each dumped step of the run, in step order."""
+    out = []
+    for dump in dump_files(path):
+        with open(dump) as f:
+            samples = [json.loads(line) for line in f]
+        out.append({"run": os.path.basename(path.rstrip("/")), "dump_step": samples[0]["step"] + 1,
+                    **calculator_dump_stats(samples)})
+    if not out:
+        raise SystemExit(f"{path}: no dumped samples found (rollout.dump_every writes them)")
+    return out
+
+
+def dump_row(s: dict) -> str:
+    return (f"| step {s['dump_step']} | {s['calls']:.2f} | {s['operands_right']:.2f} | "
+            f"{s['answers_copied']:.2f} |")
+
+
 def mean(runs: list[dict]) -> dict:
     """The runs' mean figure by figure (``--mean``), as one more row: each figure that every run
     has; the first right answer, the latest run's (none if a run had none)."""
@@ -79,5 +113,10 @@ def row(s: dict) -> str:
 
 
 if __name__ == "__main__":
-    for line in summary_cli(__doc__, summarise, row, mean):
-        print(line)
+    if "--by-dump" in sys.argv[1:]:
+        for path in (a for a in sys.argv[1:] if not a.startswith("--")):
+            for s in by_dump(path):
+                print(json.dumps(s) if "--json" in sys.argv else dump_row(s))
+    else:
+        for line in summary_cli(__doc__, summarise, row, mean):
+            print(line)
