@@ -60,9 +60,10 @@ class Cluster:
         cfg = self.cfg
         data = data_path(cfg.transfer)
         env = worker_env(cfg)
+        partition_bytes = estimate_partition_bytes(cfg)  # reads a JSONL task's labels: once
         if not ray.is_initialized():
             if _starts_local_ray(cfg.cluster.address):  # a one-node Ray of our own: check first
-                data.check_environment(1, estimate_partition_bytes(cfg), self.batches_held)
+                data.check_environment(1, partition_bytes, self.batches_held)
             ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
                      include_dashboard=False,  # the hook sets logging up in every worker (rl.log)
                      runtime_env={"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK},
@@ -74,7 +75,7 @@ class Cluster:
             for node, node_env in node_environments(data.node_env).items():
                 data.check_node_env(node, node_env, num_nodes)
         services, self._stop_services = data.start_services(
-            self.runtime, num_nodes, estimate_partition_bytes(cfg), self.batches_held)
+            self.runtime, num_nodes, partition_bytes, self.batches_held)
         self.runtime = dataclasses.replace(self.runtime, transfer=services)
         logger.info("placement: %s", describe_placement(cfg))
         self.placement.reserve()

@@ -66,7 +66,7 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(runtime.model_path)
         self.task = build_task(cfg.task)
         self.group_reward = group_reward(self.task)
-        self.label_bytes = max_label_bytes(cfg.task)  # the stores' capacity estimate counts labels at this
+        self.label_bytes = max_label_bytes(cfg.task, self.task)  # the stores' capacity estimate's bound
         self.turn_rewards = turn_rewards(self.task) if cfg.algo.turn_credit else None
         if cfg.algo.turn_credit and self.turn_rewards is None:
             raise ValueError(f"algo.turn_credit=true: task={cfg.task.name} ({type(self.task).__name__}) "

@@ -58,11 +58,13 @@ def build_task(cfg: TaskConfig) -> Task:
     return builder(cfg)
 
 
-def max_label_bytes(cfg: TaskConfig) -> int:
+def max_label_bytes(cfg: TaskConfig, task: Task | None = None) -> int:
     """An upper bound of the UTF-8 bytes of the task's labels: a JSONL task's longest label,
+    from ``task`` when given (the task ``build_task`` made of ``cfg``, its rows read), else
     read from its file; another task's from its schema (``TaskConfig.max_label_bytes``)."""
     if isinstance(cfg, JsonlTaskConfig):
-        return max(len(label.encode("utf-8")) for _, label in read_rows(os.path.expanduser(cfg.path)))
+        rows = task.rows if isinstance(task, JsonlTask) else read_rows(os.path.expanduser(cfg.path))
+        return max(len(label.encode("utf-8")) for _, label in rows)
     return cfg.max_label_bytes()
 
 

@@ -198,11 +198,15 @@ def test_max_label_bytes_bounds_every_label_of_a_built_in_task(overrides):
 
 def test_max_label_bytes_of_a_jsonl_task_is_its_longest_label(tmp_path):
     from rl.config.task import JsonlTaskConfig
-    from rl.tasks.build import max_label_bytes
+    from rl.tasks.build import build_task, max_label_bytes
 
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": "q", "label": x}) for x in ("1", "ü" * 5, "abc")))
-    assert max_label_bytes(JsonlTaskConfig(path=str(path))) == 10
+    cfg = JsonlTaskConfig(path=str(path))
+    assert max_label_bytes(cfg) == 10
+    task = build_task(cfg)  # the rollout manager's: the rows it read, not the file again
+    path.write_text(json.dumps({"prompt": "q", "label": "x"}))
+    assert (max_label_bytes(cfg, task), max_label_bytes(cfg)) == (10, 1)
 
 
 def test_a_label_longer_than_the_bound_is_warned_of_once_per_length(caplog):
