@@ -9,8 +9,9 @@ on one torch thread, as that job's engine runs:
 - per rows: a batch of ``rows`` requests of ``--tokens`` output tokens each; the step's
   cost is the batch's time over its tokens (the prefill of a short prompt included);
 - uneven: ``--uneven`` requests whose answers run to 1..``--tokens`` tokens (evenly
-  spread), decoded as one batch, against the same requests one by one in order of length
-  (each decode step at full width would cost the widest step every step).
+  spread), decoded as one batch (finished requests leave it), against that batch decoded at
+  its full width every step (``--tokens`` steps at the cost of a step of ``--uneven`` rows,
+  what the engine paid before finished requests left the batch).
 
     python benchmarks/decode_cost.py
     python benchmarks/decode_cost.py --rows 1 8 64 256 512 --out /tmp/decode_cost.json
@@ -78,7 +79,9 @@ def main() -> None:
 
     lengths = [1 + i * (args.tokens - 1) // max(args.uneven - 1, 1) for i in range(args.uneven)]
     batch_s = timed([req(n) for n in lengths])
-    full_s = max(lengths) * per_rows.get(args.uneven, float("nan"))
+    if args.uneven not in per_rows:
+        per_rows[args.uneven] = timed([req(args.tokens)] * args.uneven) / args.tokens
+    full_s = max(lengths) * per_rows[args.uneven]
     print(f"\n{args.uneven} requests of 1..{args.tokens} tokens ({sum(lengths)} tokens) as one "
           f"batch: {batch_s:.3f} s; every step at the full width ({args.uneven} rows x "
           f"{max(lengths)} steps, from the table): {full_s:.3f} s")

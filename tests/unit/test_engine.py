@@ -4,6 +4,7 @@ finishes leaves its batch and is answered at once. Over HTTP: tests/integration/
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rl.model import eos_token_ids, load_model, load_tokenizer
@@ -58,14 +59,20 @@ def test_a_burst_longer_than_the_wait_is_decoded_as_one_batch(tiny_path):
     assert all(1 <= len(r.output_ids) <= 2 for r in [*(r[0] for r in first), *second])
 
 
-def test_a_finished_request_leaves_the_batch_and_is_answered_at_once(tiny_path):
+@pytest.mark.parametrize("selectable", [True, False])
+def test_a_finished_request_leaves_the_batch_and_is_answered_at_once(tiny_path, selectable,
+                                                                     monkeypatch):
     """As SGLang's scheduler: a short request decoded beside a long one is answered while the
     long one still decodes, and the batch's later forward passes carry the long one's row
-    alone; both answers are what each request gets decoded by itself (greedy)."""
+    alone; both answers are what each request gets decoded by itself (greedy). A model whose
+    cache cannot drop rows (``selectable`` False) keeps them, and answers as early."""
     import asyncio
     import threading
 
+    from rl.rollout.engines import hf_engine
     from rl.rollout.engines.scheduler import BatchScheduler
+
+    monkeypatch.setattr(hf_engine, "_rows_selectable", lambda cache: selectable)
 
     tok = load_tokenizer(tiny_path)
     model = load_model(tiny_path)
@@ -100,7 +107,10 @@ def test_a_finished_request_leaves_the_batch_and_is_answered_at_once(tiny_path):
 
     early, a, b = asyncio.run(scenario())
     assert early == (True, False, 1)
-    assert rows[:4] == [2, 2, 2, 1] and set(rows[4:]) == {1}  # prefill, 2 decodes, then alone
+    if selectable:
+        assert rows[:4] == [2, 2, 2, 1] and set(rows[4:]) == {1}  # prefill, 2 decodes, then alone
+    else:
+        assert set(rows) == {2} and len(rows) == 20  # the prefill and 19 decodes, both rows
     assert (len(a.output_ids), len(b.output_ids)) == (3, 20)
     alone = [engine.generate([r])[0] for r in (short, long)]
     assert [a.output_ids, b.output_ids] == [r.output_ids for r in alone]

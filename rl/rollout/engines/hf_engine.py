@@ -31,9 +31,10 @@ request that saw a version change answers its versions as SGLang's spans
 (``weight_versions``).
 
 As in SGLang's scheduler, a request that finishes leaves the batch at once (its rows of the
-KV cache and of the sampler's state with it), so a batch's later steps compute only the
-requests still decoding, and it is reported finished then (``run``'s ``on_finish``), not
-when the batch ends. A weight update outside a pause waits for the running batch to end,
+KV cache and of the sampler's state with it; a model whose cache holds other than attention
+layers keeps the rows, unused), so a batch's later steps compute only the requests still
+decoding, and it is reported finished then (``run``'s ``on_finish``), not when the batch
+ends. A weight update outside a pause waits for the running batch to end,
 as SGLang's ``model_update_lock`` makes it wait for the requests in flight
 (``tokenizer_control_mixin.update_weights_from_distributed``).
 """
@@ -188,22 +189,22 @@ class HFEngine:
 
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
         cache = _cache_of(out)
+        shrink = _rows_selectable(cache)
         sampler = BatchSampler(reqs, self.eos_ids, out.logits.shape[-1], dev, self.generator)
         while True:
             tok, logp = sampler.sample(out.logits[:, -1, :])
             sampler.record(tok)
             tok_l, logp_l = tok.tolist(), logp.tolist()
-            keep = []
             for i, s in enumerate(active):  # the lock is held: these logits are this version's
-                s.add(tok_l[i], logp_l[i], self.weight_version)
-                s.finish_reason = self._finished(s.req, s.output_ids, stops[i], tails[i])
                 if s.finish_reason is None:
-                    keep.append(i)
-                else:
-                    on_finish(s)
+                    s.add(tok_l[i], logp_l[i], self.weight_version)
+                    s.finish_reason = self._finished(s.req, s.output_ids, stops[i], tails[i])
+                    if s.finish_reason is not None:
+                        on_finish(s)
+            keep = [i for i, s in enumerate(active) if s.finish_reason is None]
             if not keep:
                 return
-            if len(keep) < len(active):  # finished requests leave the batch
+            if shrink and len(keep) < len(active):  # finished requests leave the batch
                 idx = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(idx)
                 sampler.select(idx)
@@ -212,7 +213,7 @@ class HFEngine:
                 B = len(active)
             if pause is not None and self._retracting(pause):
                 for s in active:
-                    s.retractions += 1
+                    s.retractions += s.finish_reason is None
                 return
             attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
             pos = pos[:, -1:] + 1
@@ -382,6 +383,16 @@ class HFEngine:
             raise ValueError(f"no parameter {name!r}")
         with self.lock:
             return param.detach()[:truncate_size].float().cpu().tolist()
+
+
+def _rows_selectable(cache) -> bool:
+    """Whether finished requests can leave the batch: a KV cache of plain attention layers,
+    whose rows ``batch_select_indices`` keeps (transformers' linear-attention layers of hybrid
+    models have recurrent state it does not select); otherwise their rows decode on, unused."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # transformers before 4.56: key_cache and value_cache lists
+        return type(cache).__name__ == "DynamicCache"
+    return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in layers)
 
 
 def _cache_of(out):

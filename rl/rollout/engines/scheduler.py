@@ -153,9 +153,17 @@ class BatchScheduler:
         """A request finished: it leaves the running batch and is answered now (as SGLang
         answers each request as it finishes), not when its batch ends."""
         fut, loop = waiters.pop(id(state))
+        try:
+            answer, settle = self.engine.result(state), _set_result
+        except Exception as e:  # this request fails, not its batch
+            answer, settle = e, _set_exception
         with self._state:
             self._running -= 1
-        loop.call_soon_threadsafe(_set_result, fut, self.engine.result(state))
+            self._state.notify_all()
+        try:
+            loop.call_soon_threadsafe(settle, fut, answer)
+        except RuntimeError:  # the client's event loop has closed: nobody waits for it
+            pass
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
