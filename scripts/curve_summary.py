@@ -1,7 +1,8 @@
 """Summarise reward curves of 200-step runs as rows of the tables in docs/async.md.
 
 Per run (steps counted from 1): the mean reward (`rollout/reward_mean`) over steps 1-10,
-91-100 and 181-200; the first step at which the mean of the last 5 steps reaches 0.5; the
+91-100 and 181-200 (and for a run of 400 steps or more, 281-300 and 381-400 too); the first
+step at which the mean of the last 5 steps reaches 0.5; the
 mean staleness of the trained samples (`async/staleness_mean`, 0 in train.py); the samples
 dropped as too stale (`async/dropped_samples`, summed); and the partial rollouts, samples
 whose tokens came from two weight versions, in percent of the samples generated (the mean
@@ -28,6 +29,12 @@ from rl.driver.metrics import read_metrics, summary_cli
 
 WINDOWS = ((1, 10), (91, 100), (181, 200))
 """Steps (from 1, both ends included) whose mean reward is reported."""
+LONG_WINDOWS = ((281, 300), (381, 400))
+"""Reported too for a run of at least 400 steps."""
+
+
+def windows(steps: int) -> tuple[tuple[int, int], ...]:
+    return WINDOWS + LONG_WINDOWS if steps >= LONG_WINDOWS[-1][1] else WINDOWS
 THRESHOLD, SMOOTH = 0.5, 5
 """The reward the mean of the last ``SMOOTH`` steps must first reach."""
 
@@ -57,7 +64,7 @@ def summarise(path: str) -> dict:
     masked = 100 * np.array([r.get("train/is_masked_frac", 0.0) for r in rows])
     by_10 = lambda x: [round(float(v), 4) for v in x[:len(x) // 10 * 10].reshape(-1, 10).mean(1)]  # noqa: E731
     return {"run": os.path.basename(path.rstrip("/")), "steps": len(rows),
-            **{f"reward_{a}_{b}": float(reward[a - 1:b].mean()) for a, b in WINDOWS},
+            **{f"reward_{a}_{b}": float(reward[a - 1:b].mean()) for a, b in windows(len(rows))},
             "first_step_smoothed_at_threshold": int(reached[0]) + SMOOTH if len(reached) else None,
             "staleness_mean": float(np.mean([r.get("async/staleness_mean", 0.0) for r in rows])),
             "staleness_max": float(max(r.get("async/staleness_max", 0.0) for r in rows)),
@@ -74,7 +81,7 @@ def summarise(path: str) -> dict:
 
 
 def row(s: dict) -> str:
-    rewards = " | ".join(f"{s[f'reward_{a}_{b}']:.3f}" for a, b in WINDOWS)
+    rewards = " | ".join(f"{s[f'reward_{a}_{b}']:.3f}" for a, b in windows(s["steps"]))
     first = s["first_step_smoothed_at_threshold"]
     partial = "-" if s["partial_pct"] is None else f"{s['partial_pct']:.2f}"
     return (f"| {s['run']} | {rewards} | {f'step {first}' if first else '-'} | "

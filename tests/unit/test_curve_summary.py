@@ -54,6 +54,15 @@ def test_windows_first_step_and_partial_samples(summary, tmp_path):
     assert summary.row(s) == "| m.jsonl | 0.000 | 0.000 | 0.700 | step 104 | 1.00 | 400 | 0.05 |"
 
 
+def test_a_run_of_400_steps_has_two_windows_more(summary, tmp_path):
+    rewards = [0.0] * 280 + [0.5] * 20 + [0.0] * 80 + [0.9] * 20
+    s = summary.summarise(_write(tmp_path / "long.jsonl", rewards))
+    assert (s["reward_281_300"], s["reward_381_400"]) == (pytest.approx(0.5), pytest.approx(0.9))
+    assert summary.row(s) == ("| long.jsonl | 0.000 | 0.000 | 0.000 | 0.500 | 0.900 | step 285 | 0.00 "
+                              "| 0 | - |")
+    assert "reward_281_300" not in summary.summarise(_write(tmp_path / "m.jsonl", [0.0] * 399))
+
+
 def test_runs_before_the_partial_metric_and_short_runs(summary, tmp_path):
     s = summary.summarise(_write(tmp_path / "old.jsonl", [0.2] * 200))
     assert s["partial_pct"] is None and s["partial_pct_by_10"] is None
