@@ -84,7 +84,7 @@ def main() -> None:
     full_s = max(lengths) * per_rows[args.uneven]
     print(f"\n{args.uneven} requests of 1..{args.tokens} tokens ({sum(lengths)} tokens) as one "
           f"batch: {batch_s:.3f} s; every step at the full width ({args.uneven} rows x "
-          f"{max(lengths)} steps, from the table): {full_s:.3f} s")
+          f"{max(lengths)} steps): {full_s:.3f} s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": "python benchmarks/decode_cost.py " + " ".join(sys.argv[1:]),

@@ -35,6 +35,8 @@ LONG_WINDOWS = ((281, 300), (381, 400))
 
 def windows(steps: int) -> tuple[tuple[int, int], ...]:
     return WINDOWS + LONG_WINDOWS if steps >= LONG_WINDOWS[-1][1] else WINDOWS
+
+
 THRESHOLD, SMOOTH = 0.5, 5
 """The reward the mean of the last ``SMOOTH`` steps must first reach."""
 

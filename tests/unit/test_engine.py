@@ -116,3 +116,43 @@ def test_a_finished_request_leaves_the_batch_and_is_answered_at_once(tiny_path, 
     assert [a.output_ids, b.output_ids] == [r.output_ids for r in alone]
     torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(alone[1].logprobs),
                                atol=2e-5, rtol=1e-5)
+
+
+def test_rows_leave_a_batch_only_from_a_cache_of_attention_layers(tiny_path):
+    """The tiny model's cache drops rows; a cache holding a linear-attention layer (the
+    recurrent state of a hybrid model, which ``batch_select_indices`` does not select) keeps them."""
+    from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionAndFullAttentionLayer
+
+    from rl.rollout.engines.hf_engine import _cache_of, _rows_selectable
+
+    tok = load_tokenizer(tiny_path)
+    with torch.no_grad():
+        out = load_model(tiny_path)(input_ids=torch.tensor([tok.encode("ab:")]), use_cache=True)
+    assert _rows_selectable(_cache_of(out))
+    assert not _rows_selectable(Cache(layers=[DynamicLayer(), LinearAttentionAndFullAttentionLayer()]))
+
+
+def test_a_request_whose_answer_fails_fails_alone(tiny_path):
+    """An answer that cannot be built fails its own request; the others of its batch are
+    answered, and the scheduler counts nothing running after."""
+    import asyncio
+
+    from rl.rollout.engines.scheduler import BatchScheduler
+
+    class Failing(HFEngine):  # the real engine, whose answer to 2-token requests breaks
+        def result(self, state):
+            if state.req.max_new_tokens == 2:
+                raise ValueError("no answer")
+            return super().result(state)
+
+    tok = load_tokenizer(tiny_path)
+    engine = Failing(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
+    scheduler = BatchScheduler(engine, max_batch_size=8, batch_wait_s=0.2)
+    reqs = [GenRequest(tok.encode("ab:"), max_new_tokens=n, ignore_eos=True) for n in (2, 5)]
+
+    async def both():
+        return await asyncio.gather(*(scheduler.submit([r]) for r in reqs), return_exceptions=True)
+
+    failed, [answered] = asyncio.run(both())
+    assert isinstance(failed, ValueError) and len(answered.output_ids) == 5
+    assert (scheduler.running(), scheduler.waiting()) == (0, 0)

@@ -23,6 +23,7 @@ import torch
 from rl.model import eos_token_ids, load_model, load_tokenizer
 from rl.rollout.batch import build_batch, is_partial, partial_frac
 from rl.rollout.functions import Sample
+from rl.rollout.engines import hf_engine
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.protocol import Generate, answer
 from rl.rollout.engines.scheduler import BatchScheduler
@@ -185,11 +186,16 @@ def _check_spans_and_old_part(wv, metas, results, prompt, old_model) -> None:
     torch.testing.assert_close(torch.tensor(short.logprobs), short_lp, atol=2e-5, rtol=1e-5)
 
 
-def test_retract_resumes_a_request_under_the_new_weights(tiny_path, models, wv):
+@pytest.mark.parametrize("selectable", [True, False], ids=["rows-leave", "rows-kept"])
+def test_retract_resumes_a_request_under_the_new_weights(tiny_path, models, wv, selectable,
+                                                          monkeypatch):
     """Retracted after 10 tokens, the request keeps them (and their old log-probs), is
     recomputed under version 2 at continue, and its 20 later tokens are version 2's greedy
     choices with version 2's log-probs over the whole sequence. Its spans are SGLang's; the
-    batch counts it as version 1, and keeps one engine log-prob per token."""
+    batch counts it as version 1, and keeps one engine log-prob per token. The same where
+    finished requests' rows stay in the batch (a cache that cannot drop rows): only the
+    unfinished request counts a retraction."""
+    monkeypatch.setattr(hf_engine, "_rows_selectable", lambda cache: selectable)
     old_model, new_model = models
     engine, tok = _engine(tiny_path)
     prompt = tok.encode("ab:")

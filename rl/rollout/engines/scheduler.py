@@ -146,7 +146,7 @@ class BatchScheduler:
                 self._state.notify_all()
             if error is not None:  # the requests not answered yet fail with the batch
                 for fut, loop in waiters.values():
-                    loop.call_soon_threadsafe(_set_exception, fut, error)
+                    _settle(loop, _set_exception, fut, error)
 
 
     def _answer(self, waiters: dict, state: GenState) -> None:
@@ -160,10 +160,15 @@ class BatchScheduler:
         with self._state:
             self._running -= 1
             self._state.notify_all()
-        try:
-            loop.call_soon_threadsafe(settle, fut, answer)
-        except RuntimeError:  # the client's event loop has closed: nobody waits for it
-            pass
+        _settle(loop, settle, fut, answer)
+
+
+def _settle(loop: asyncio.AbstractEventLoop, settle, fut: asyncio.Future, value) -> None:
+    """``settle(fut, value)`` on the client's event loop, from the batch's thread."""
+    try:
+        loop.call_soon_threadsafe(settle, fut, value)
+    except RuntimeError:  # that loop has closed: nobody waits for the answer
+        pass
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
