@@ -44,8 +44,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch

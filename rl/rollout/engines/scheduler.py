@@ -148,7 +148,6 @@ class BatchScheduler:
                 for fut, loop in waiters.values():
                     _settle(loop, _set_exception, fut, error)
 
-
     def _answer(self, waiters: dict, state: GenState) -> None:
         """A request finished: it leaves the running batch and is answered now (as SGLang
         answers each request as it finishes), not when its batch ends."""
