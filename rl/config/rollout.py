@@ -124,7 +124,8 @@ class HFRolloutConfig(RolloutConfig):
     max_batch_size: int = 256
     """Most requests the CPU engine decodes together."""
     batch_wait_ms: float = 5.0
-    """A batch closes once no request has arrived for this long (ms), or at max_batch_size."""
+    """A batch starts once no request has arrived for this long (ms), or at max_batch_size;
+    requests arriving while it decodes join it at its next step."""
     device: str = "cpu"
     """Device of the CPU engine's model (``cpu``; ``cuda`` works where available)."""
 

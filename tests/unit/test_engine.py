@@ -1,14 +1,26 @@
 """The CPU engine's generation in this process, no server: decoding stops at the first EOS,
-a burst of requests longer than the batch wait is decoded as one batch, and a request that
-finishes leaves its batch and is answered at once. Over HTTP: tests/integration/test_engine.py."""
+a burst of requests longer than the batch wait is decoded as one batch, a request that
+finishes leaves its batch and is answered at once, and one that arrives while a batch decodes
+joins it (unless a weight update waits). Over HTTP: tests/integration/test_engine.py."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 
 from rl.model import eos_token_ids, load_model, load_tokenizer
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
+from rl.rollout.engines.scheduler import BatchScheduler
+from tests.support.schedulers import Gated
+
+
+def _rows_of_forwards(model) -> list[int]:
+    rows = []  # batch rows of every forward pass
+    model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    return rows
 
 
 def test_generation_stops_at_first_eos(tiny_path):
@@ -29,14 +41,10 @@ def test_a_burst_longer_than_the_wait_is_decoded_as_one_batch(tiny_path):
     """Requests arriving within ``batch_wait_s`` of each other join one batch even when the
     burst lasts longer than that (a rollout step's requests over a slow HTTP loop); a quiet
     gap of ``batch_wait_s`` closes the batch."""
-    import asyncio
-
-    from rl.rollout.engines.scheduler import BatchScheduler
-
     class Recording(HFEngine):  # the real engine, noting the rows of each batch it decodes
-        def run(self, states, pause=None, on_finish=None):
+        def run(self, states, pause=None, on_finish=None, admit=None):
             self.batches.append(len(states))
-            return super().run(states, pause, on_finish)
+            return super().run(states, pause, on_finish, admit)
 
     tok = load_tokenizer(tiny_path)
     engine = Recording(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
@@ -66,35 +74,17 @@ def test_a_finished_request_leaves_the_batch_and_is_answered_at_once(tiny_path, 
     long one still decodes, and the batch's later forward passes carry the long one's row
     alone; both answers are what each request gets decoded by itself (greedy). A model whose
     cache cannot drop rows (``selectable`` False) keeps them, and answers as early."""
-    import asyncio
-    import threading
-
     from rl.rollout.engines import hf_engine
-    from rl.rollout.engines.scheduler import BatchScheduler
 
     monkeypatch.setattr(hf_engine, "_rows_selectable", lambda cache: selectable)
 
     tok = load_tokenizer(tiny_path)
     model = load_model(tiny_path)
-    rows = []  # batch rows of every forward pass
-    model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]),
-                                    with_kwargs=True)
-
-    class Held(BatchScheduler):  # the real scheduler, the batch held at its 10th step boundary
-        boundaries = 0
-        reached, go = threading.Event(), threading.Event()
-
-        def pause_mode(self):
-            self.boundaries += 1
-            if self.boundaries == 10:
-                self.reached.set()
-                assert self.go.wait(30)
-            return super().pause_mode()
-
+    rows = _rows_of_forwards(model)
     engine = HFEngine(model, tok, eos_token_ids(tiny_path, tok), seed=0)
     greedy = dict(temperature=0.0, ignore_eos=True)
     short, long = (GenRequest(tok.encode("ab:"), max_new_tokens=n, **greedy) for n in (3, 20))
-    scheduler = Held(engine, max_batch_size=8, batch_wait_s=0.2)
+    scheduler = Gated(engine, max_batch_size=8, batch_wait_s=0.2, at=10)  # held at its 10th step
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -135,10 +125,6 @@ def test_rows_leave_a_batch_only_from_a_cache_of_attention_layers(tiny_path):
 def test_a_request_whose_answer_fails_fails_alone(tiny_path):
     """An answer that cannot be built fails its own request; the others of its batch are
     answered, and the scheduler counts nothing running after."""
-    import asyncio
-
-    from rl.rollout.engines.scheduler import BatchScheduler
-
     class Failing(HFEngine):  # the real engine, whose answer to 2-token requests breaks
         def result(self, state):
             if state.req.max_new_tokens == 2:
@@ -156,3 +142,86 @@ def test_a_request_whose_answer_fails_fails_alone(tiny_path):
     failed, [answered] = asyncio.run(both())
     assert isinstance(failed, ValueError) and len(answered.output_ids) == 5
     assert (scheduler.running(), scheduler.waiting()) == (0, 0)
+
+
+
+@pytest.mark.parametrize("joiner", ["longer_prompt", "shorter_prompt_with_penalties"])
+def test_a_request_arriving_while_a_batch_decodes_joins_it(tiny_path, joiner):
+    """Continuous batching, as SGLang's scheduler: a request submitted while a batch decodes
+    is prefilled at the batch's next step boundary and decodes in it (one forward pass for
+    both rows), whether its prompt is longer than the running request's tokens so far or
+    shorter (the shorter KV cache padded); it is answered when it finishes, and each answer
+    is what the request gets decoded alone (greedy: tokens, log-probs, and a joining row's
+    own penalties and min_new_tokens count, not the batch's)."""
+    tok = load_tokenizer(tiny_path)
+    model = load_model(tiny_path)
+    eos = eos_token_ids(tiny_path, tok)
+    rows = _rows_of_forwards(model)
+    engine = HFEngine(model, tok, eos, seed=0)
+    greedy = dict(temperature=0.0)
+    running = GenRequest(tok.encode("ab:"), max_new_tokens=20, ignore_eos=True, **greedy)
+    if joiner == "longer_prompt":
+        joining = GenRequest(tok.encode("abcdefghijklmnopqrst:"), max_new_tokens=6, ignore_eos=True,
+                             **greedy)
+    else:  # EOS made likely: the answer ends once min_new_tokens, counted from its own start, allow it
+        with torch.no_grad():
+            model.lm_head.weight[eos[0]] += 50.0
+        joining = GenRequest(tok.encode("b:"), max_new_tokens=12, min_new_tokens=4,
+                             frequency_penalty=1.5, presence_penalty=0.5, **greedy)
+    scheduler = Gated(engine, max_batch_size=8, batch_wait_s=0.2, at=5)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        a = asyncio.ensure_future(scheduler.submit([running]))
+        assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
+        b = asyncio.ensure_future(scheduler.submit([joining]))
+        while scheduler.waiting() == 0:
+            await asyncio.sleep(0.01)
+        scheduler.go.set()
+        b_first = (await b)[0], a.done()
+        return (await a)[0], *b_first
+
+    a, b, a_done_before_b = asyncio.run(scenario())
+    assert not a_done_before_b
+    n = len(b.output_ids)
+    assert len(a.output_ids) == 20 and (n > 4 if joiner != "longer_prompt" else n == 6)
+    # the running request's prefill and 4 decodes alone, the joining one's prefill, then one
+    # forward pass for both rows until the joining one finishes, then alone again
+    assert rows == [1] * 6 + [2] * (n - 1) + [1] * (16 - n), rows
+    alone = [engine.generate([r])[0] for r in (running, joining)]
+    assert [a.output_ids, b.output_ids] == [r.output_ids for r in alone]
+    for got, want in zip((a, b), alone):
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs),
+                                   atol=2e-5, rtol=1e-5)
+    if joiner != "longer_prompt":
+        assert b.output_ids[-1] == eos[0] and eos[0] not in b.output_ids[:-1]
+
+
+def test_no_request_joins_while_a_weight_update_waits(tiny_path):
+    """A call that needs the engine's lock (here a weight read; an update alike) stops
+    admission: the running batch ends and lets it in rather than taking new requests for as
+    long as they come; the request that arrived meanwhile runs in a batch of its own."""
+    tok = load_tokenizer(tiny_path)
+    model = load_model(tiny_path)
+    rows = _rows_of_forwards(model)
+    engine = HFEngine(model, tok, eos_token_ids(tiny_path, tok), seed=0)
+    scheduler = Gated(engine, max_batch_size=8, batch_wait_s=0.2, at=3)
+    first = GenRequest(tok.encode("ab:"), max_new_tokens=8, ignore_eos=True)
+    second = GenRequest(tok.encode("b:"), max_new_tokens=4, ignore_eos=True)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        a = asyncio.ensure_future(scheduler.submit([first]))
+        assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
+        read = loop.run_in_executor(None, engine.get_weights_by_name, "lm_head.weight", 1)
+        while engine._waiters == 0:
+            await asyncio.sleep(0.01)
+        b = asyncio.ensure_future(scheduler.submit([second]))
+        while scheduler.waiting() == 0:
+            await asyncio.sleep(0.01)
+        scheduler.go.set()
+        return await a, await b, await read
+
+    a, b, weights = asyncio.run(scenario())
+    assert (len(a[0].output_ids), len(b[0].output_ids), len(weights)) == (8, 4, 1)
+    assert set(rows) == {1} and len(rows) == 8 + 4  # never decoded together

@@ -138,6 +138,30 @@ def test_min_new_tokens_bans_stop_tokens_until_reached():
     assert sampler.adjust(torch.tensor([LOGITS])).tolist() == [LOGITS]
 
 
+@pytest.mark.parametrize("penalised_first", [True, False])
+def test_rows_joining_a_batch_keep_their_own_penalties_and_counts(penalised_first):
+    """``join`` (requests joining a running batch): each row's penalties, counters and
+    min_new_tokens count are its own, on whichever side a feature is unused."""
+    penalised = GenRequest([0], frequency_penalty=0.5, presence_penalty=0.25, min_new_tokens=3,
+                           temperature=0.5)
+    running, joining = _sampler(penalised), _sampler(GenRequest([0]))
+    if not penalised_first:
+        running, joining = _sampler(GenRequest([0])), _sampler(penalised)
+    for t in (1, 1):  # two tokens decoded before the join
+        running.record(torch.tensor([t]))
+    want = [running.adjust(torch.tensor([LOGITS]))[0], joining.adjust(torch.tensor([LOGITS]))[0]]
+    running.join(joining)
+    got = running.adjust(torch.tensor([LOGITS, LOGITS]))
+    torch.testing.assert_close(got, torch.stack(want))
+    running.record(torch.tensor([3, 3]))  # one more token each
+    rows = running.adjust(torch.tensor([LOGITS, LOGITS])).tolist()
+    if penalised_first:  # its tokens 1, 1, 3: three, so EOS (4) is allowed again
+        assert rows == [pytest.approx([1.0, 2.0 - 1.0 - 0.25, -1.0, 0.5 - 0.5 - 0.25, 0.0]), LOGITS]
+    else:  # its token 3 alone: one, so EOS is still banned
+        assert rows == [LOGITS, pytest.approx([1.0, 2.0, -1.0, 0.5 - 0.5 - 0.25, float("-inf")])]
+    assert running.temps_b.tolist() == ([0.5, 1.0] if penalised_first else [1.0, 0.5])
+
+
 def test_min_p_keeps_tokens_within_a_fraction_of_the_likeliest():
     probs = [0.5, 0.3, 0.15, 0.05]
     logits = torch.tensor([[math.log(p) for p in probs]] * 400)

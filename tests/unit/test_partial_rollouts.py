@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,9 +25,9 @@ from rl.rollout.functions import Sample
 from rl.rollout.engines import hf_engine
 from rl.rollout.engines.hf_engine import GenRequest, HFEngine
 from rl.rollout.engines.protocol import Generate, answer
-from rl.rollout.engines.scheduler import BatchScheduler
 from rl.tasks import Prompt
 from tests.support import sglang_release as sgl
+from tests.support.schedulers import Gated
 
 PAUSE_AT = 10
 """Tokens each running request holds when the pause lands."""
@@ -78,23 +77,6 @@ def _push(engine: HFEngine, model, version: str) -> None:
     finally:
         engine.end_weight_update()
         del engine.groups["wire"]
-
-
-class Gated(BatchScheduler):
-    """The real scheduler, whose running batch stops at its ``at``-th step boundary until
-    the test lets it go (``go``): paused meanwhile, the pause lands after ``at`` tokens."""
-
-    def __init__(self, *args, at: int, **kwargs) -> None:
-        self.at, self.boundaries = at, 0
-        self.reached, self.go = threading.Event(), threading.Event()
-        super().__init__(*args, **kwargs)
-
-    def pause_mode(self):
-        self.boundaries += 1
-        if self.boundaries == self.at:
-            self.reached.set()
-            assert self.go.wait(30)
-        return super().pause_mode()
 
 
 def _run(engine: HFEngine, mode: str, prompt: list[int], new_model):

@@ -34,9 +34,14 @@ As in SGLang's scheduler, a request that finishes leaves the batch at once (its 
 KV cache and of the sampler's state with it; a model whose cache holds other than attention
 layers keeps the rows, unused), so a batch's later steps compute only the requests still
 decoding, and it is reported finished then (``run``'s ``on_finish``), not when the batch
-ends. A weight update outside a pause waits for the running batch to end,
-as SGLang's ``model_update_lock`` makes it wait for the requests in flight
-(``tokenizer_control_mixin.update_weights_from_distributed``).
+ends. Requests that arrive while a batch decodes join it at a step boundary (``run``'s
+``admit``; SGLang's continuous batching): they are prefilled by themselves, then their KV
+rows are appended to the batch's, the shorter left-padded and the padding masked out, so a
+row attends to its own tokens as it would alone (models whose cache holds other than
+full-attention layers wait for the batch to end instead). A weight update outside a pause
+waits for the running batch to end, as SGLang's ``model_update_lock`` makes it wait for the
+requests in flight (``tokenizer_control_mixin.update_weights_from_distributed``), and no
+request joins the batch while it waits.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import hashlib
 import inspect
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -133,6 +139,8 @@ class HFEngine:
         self._noise = torch.Generator(device=self.device).manual_seed(seed + 1)  # not the sampler's
         self.weight_version = weight_version
         self.lock = threading.Lock()  # a batch and a weight update never overlap
+        self._waiters = 0  # threads waiting for the lock to update or read weights
+        self._waiters_lock = threading.Lock()
         self.groups: dict[str, SideGroup] = {}
         self.session: dict | None = None  # the open weight-update session, if any
         self._session_lock = threading.Lock()
@@ -155,25 +163,46 @@ class HFEngine:
 
     @torch.no_grad()
     def run(self, states: list[GenState], pause: PausePoint | None = None,
-            on_finish: Callable[[GenState], None] | None = None) -> None:
+            on_finish: Callable[[GenState], None] | None = None,
+            admit: Callable[[int], list[GenState]] | None = None) -> None:
         """Decode the unfinished ``states`` as one batch until each has finished, or until
         ``pause`` retracts them: then the unfinished ones keep ``finish_reason`` None, and a
         later ``run`` resumes them (see the module's docstring). ``on_finish(state)`` is
-        called, on this thread, as each request finishes."""
+        called, on this thread, as each request finishes. ``admit(rows)``, asked at each step
+        boundary with the rows decoding, gives requests that join the batch there."""
         with self.lock:
-            self._run(states, pause, on_finish or (lambda s: None))
+            self._run(states, pause, on_finish or (lambda s: None), admit)
 
     def _run(self, states: list[GenState], pause: PausePoint | None,
-             on_finish: Callable[[GenState], None]) -> None:
+             on_finish: Callable[[GenState], None],
+             admit: Callable[[int], list[GenState]] | None) -> None:
+        batch = self._prefill(states, on_finish)
+        while batch is not None:
+            if pause is not None and self._retracting(pause):
+                for s in batch.states:
+                    s.retractions += s.finish_reason is None
+                return
+            if admit is not None and not self._waiters and batch.joinable:
+                batch.join(self._prefill(admit(len(batch.states)), on_finish))
+            batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(batch.states), 1))], dim=1)
+            batch.pos = batch.pos + 1
+            out = self.model(input_ids=batch.tok[:, None], attention_mask=batch.attn,
+                             position_ids=batch.pos, use_cache=True, **{self._cache_arg: batch.cache})
+            batch.cache = _cache_of(out)
+            batch = self._step(batch, out.logits[:, -1, :], on_finish)
+
+    def _prefill(self, states: list[GenState], on_finish: Callable[[GenState], None]) -> _Batch | None:
+        """Run the prompts of ``states`` (and a retracted request's output so far: its KV
+        comes from these weights) and sample each one's next token; the unfinished ones as a
+        batch, or None when none is left."""
         for s in states:
             if s.finish_reason is None and s.req.max_new_tokens <= 0:
                 s.finish_reason, s.version = {"type": "length", "length": 0}, self.weight_version
                 on_finish(s)
         active = [s for s in states if s.finish_reason is None]
         if not active:  # max_new_tokens=0 everywhere: nothing to run
-            return
+            return None
         dev, B = self.device, len(active)
-        # a retracted request prefills its output so far too: its KV comes from these weights
         seqs = [s.req.input_ids + s.output_ids for s in active]
         width = max(len(q) for q in seqs)
         ids = torch.full((B, width), self.pad_id, dtype=torch.long)
@@ -184,42 +213,53 @@ class HFEngine:
         ids, attn = ids.to(dev), attn.to(dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         reqs = [s.req for s in active]
-        stops = [set() if r.ignore_eos else set(r.stop_token_ids) | set(self.eos_ids) for r in reqs]
-        tails = [self._tail_len(r.stop) for r in reqs]
-
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
         cache = _cache_of(out)
-        shrink = _rows_selectable(cache)
-        sampler = BatchSampler(reqs, self.eos_ids, out.logits.shape[-1], dev, self.generator)
-        while True:
-            tok, logp = sampler.sample(out.logits[:, -1, :])
-            sampler.record(tok)
-            tok_l, logp_l = tok.tolist(), logp.tolist()
-            for i, s in enumerate(active):  # the lock is held: these logits are this version's
-                if s.finish_reason is None:
-                    s.add(tok_l[i], logp_l[i], self.weight_version)
-                    s.finish_reason = self._finished(s.req, s.output_ids, stops[i], tails[i])
-                    if s.finish_reason is not None:
-                        on_finish(s)
-            keep = [i for i, s in enumerate(active) if s.finish_reason is None]
-            if not keep:
-                return
-            if shrink and len(keep) < len(active):  # finished requests leave the batch
-                idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                sampler.select(idx)
-                attn, pos, tok = attn[idx], pos[idx], tok[idx]
-                active, stops, tails = ([x[i] for i in keep] for x in (active, stops, tails))
-                B = len(active)
-            if pause is not None and self._retracting(pause):
-                for s in active:
-                    s.retractions += s.finish_reason is None
-                return
-            attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
-            pos = pos[:, -1:] + 1
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
-                             use_cache=True, **{self._cache_arg: cache})
-            cache = _cache_of(out)
+        batch = _Batch(active, [set() if r.ignore_eos else set(r.stop_token_ids) | set(self.eos_ids)
+                                for r in reqs], [self._tail_len(r.stop) for r in reqs],
+                       attn, pos[:, -1:], cache,
+                       BatchSampler(reqs, self.eos_ids, out.logits.shape[-1], dev, self.generator),
+                       (selectable := _rows_selectable(cache)), selectable and _rows_joinable(cache))
+        return self._step(batch, out.logits[:, -1, :], on_finish)
+
+    def _step(self, batch: _Batch, logits_bv: torch.Tensor,
+              on_finish: Callable[[GenState], None]) -> _Batch | None:
+        """Sample every row's next token from ``logits_bv``; finished requests are answered
+        and leave the batch (their rows stay, unused, in a cache that cannot drop them).
+        None once every request has finished."""
+        tok, logp = batch.sampler.sample(logits_bv)
+        batch.sampler.record(tok)
+        batch.tok = tok
+        tok_l, logp_l = tok.tolist(), logp.tolist()
+        for i, s in enumerate(batch.states):  # the lock is held: these logits are this version's
+            if s.finish_reason is None:
+                s.add(tok_l[i], logp_l[i], self.weight_version)
+                s.finish_reason = self._finished(s.req, s.output_ids, batch.stops[i], batch.tails[i])
+                if s.finish_reason is not None:
+                    on_finish(s)
+        keep = [i for i, s in enumerate(batch.states) if s.finish_reason is None]
+        if not keep:
+            return None
+        if len(keep) < len(batch.states):
+            batch.drop_finished(keep)
+        return batch
+
+    @contextmanager
+    def _exclusive(self):
+        """The lock, for work beside decoding (weights updated, checked or read): while it
+        waits, no request joins the running batch, so the batch ends and lets it in, as
+        SGLang's ``model_update_lock`` holds new requests back while weights update."""
+        with self._waiters_lock:
+            self._waiters += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def _retracting(self, pause: PausePoint) -> bool:
         """At a step boundary: True to retract the batch; paused in place, wait here with
@@ -314,7 +354,7 @@ class HFEngine:
         if bad:
             raise ValueError(f"Failed to receive weights: unknown dtypes {bad[:5]}")
         unknown = []
-        with self.lock:
+        with self._exclusive():
             try:
                 for name, dtype, shape in zip(names, dtypes, shapes):
                     buf = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
@@ -348,7 +388,7 @@ class HFEngine:
         entry of ``skip``. The hash is SGLang's for CPU tensors (the first 8 bytes of the
         SHA-256 of the tensor's bytes); only equality between two answers of one engine
         means anything."""
-        with self.lock:
+        with self._exclusive():
             tensors = {n: t for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
                        if not any(p in n for p in (*UNCHECKED_BUFFERS, *(skip or ())))}
             if action == "reset_tensors":
@@ -381,8 +421,99 @@ class HFEngine:
         param = dict(self.model.named_parameters(remove_duplicate=False)).get(name)
         if param is None:
             raise ValueError(f"no parameter {name!r}")
-        with self.lock:
+        with self._exclusive():
             return param.detach()[:truncate_size].float().cpu().tolist()
+
+
+@dataclass
+class _Batch:
+    """The requests decoding together, row by row: each one's state, stop tokens, stop
+    strings' tail length, attention-mask row (left-padded), last position and last sampled
+    token; and their KV cache and sampler. ``states`` are the requests still decoding, unless
+    the cache cannot drop rows (``selectable`` False): then finished ones stay, unused."""
+
+    states: list[GenState]
+    stops: list[set[int]]
+    tails: list[int]
+    attn: torch.Tensor
+    pos: torch.Tensor
+    cache: object
+    sampler: BatchSampler
+    selectable: bool
+    joinable: bool
+    tok: torch.Tensor | None = None
+
+    def drop_finished(self, keep: list[int]) -> None:
+        """Keep the rows ``keep`` (the requests still decoding), when the cache allows."""
+        if not self.selectable:
+            return
+        idx = torch.tensor(keep, device=self.attn.device)
+        self.cache.batch_select_indices(idx)
+        self.sampler.select(idx)
+        self.attn, self.pos, self.tok = self.attn[idx], self.pos[idx], self.tok[idx]
+        self.states, self.stops, self.tails = ([x[i] for i in keep]
+                                               for x in (self.states, self.stops, self.tails))
+        if self.joinable:  # columns no row attends to any more (left padding of those that left)
+            start = int(self.attn.any(dim=0).nonzero()[0])
+            if start:
+                self.attn = self.attn[:, start:]
+                _map_kv(self.cache, lambda kv: kv[..., start:, :])
+
+    def join(self, other: _Batch | None) -> None:
+        """Append ``other``'s rows (requests just prefilled, their first token sampled): the
+        shorter KV cache and attention mask are left-padded, the padding masked out, so each
+        row attends to its own tokens only, as it would alone."""
+        if other is None:
+            return
+        width = max(self.attn.shape[1], other.attn.shape[1])
+        _join_caches(self.cache, other.cache, width)
+        self.attn = torch.cat([_pad_left(self.attn, width, dim=1), _pad_left(other.attn, width, dim=1)])
+        self.pos, self.tok = torch.cat([self.pos, other.pos]), torch.cat([self.tok, other.tok])
+        self.sampler.join(other.sampler)
+        self.states, self.stops, self.tails = (self.states + other.states, self.stops + other.stops,
+                                               self.tails + other.tails)
+
+
+def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``x`` with zeros before it along ``dim`` up to ``width``."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _map_kv(cache, fn, other=None) -> None:
+    """Replace each layer's keys and values ``kv`` by ``fn(kv)``, or by ``fn(kv, other's)``
+    (transformers before 4.56 keeps them in ``key_cache`` and ``value_cache`` lists)."""
+    if getattr(cache, "layers", None) is None:
+        for name in ("key_cache", "value_cache"):
+            kvs, more = getattr(cache, name), getattr(other, name, None)
+            for i in range(len(kvs)):
+                kvs[i] = fn(kvs[i]) if other is None else fn(kvs[i], more[i])
+        if hasattr(cache, "_seen_tokens"):
+            cache._seen_tokens = cache.key_cache[0].shape[-2]
+        return
+    for i, layer in enumerate(cache.layers):
+        for name in ("keys", "values"):
+            kv = getattr(layer, name)
+            setattr(layer, name, fn(kv) if other is None else fn(kv, getattr(other.layers[i], name)))
+
+
+def _join_caches(cache, other, width: int) -> None:
+    """Append ``other``'s rows to ``cache``'s, each left-padded along the sequence to ``width``."""
+    _map_kv(cache, lambda a, b: torch.cat([_pad_left(a, width, -2), _pad_left(b, width, -2)]), other)
+
+
+def _rows_joinable(cache) -> bool:
+    """Whether requests can join a running batch: a KV cache of full-attention layers only
+    (keys and values along the whole sequence, which ``_join_caches`` pads); a sliding-window
+    or recurrent layer's state is not padded so simply."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # transformers before 4.56: key_cache and value_cache lists
+        return type(cache).__name__ == "DynamicCache"
+    return all(type(layer).__name__ == "DynamicLayer" and layer.is_initialized for layer in layers)
 
 
 def _rows_selectable(cache) -> bool:

@@ -181,8 +181,13 @@ class BatchSampler:
 
     Each step: ``tok_b, logp_b = sample(logits_bv)``, then ``record(tok_b)``. Work for a
     feature is done only when some row uses it, so a batch of plain requests pays nothing for
-    the penalties.
+    the penalties. Rows leave (``select``) and join (``join``) with their own state.
     """
+
+    COLUMNS = {"min_p_b": 0.0, "freq_b": 0.0, "pres_b": 0.0, "min_new_b": 0.0}
+    """The optional per-row columns (None while every row has the neutral value) and that value."""
+    ACCUMULATORS = ("freq_acc_bv", "pres_acc_bv", "stop_ban_bv")
+    """The optional per-row state over the vocabulary (None while unused; zeros is neutral)."""
 
     def __init__(self, reqs: list[GenRequest], eos_ids: list[int], vocab_size: int,
                  device: torch.device, generator: torch.Generator) -> None:
@@ -206,7 +211,7 @@ class BatchSampler:
                 banned = [t for t in set(r.stop_token_ids) | set(eos_ids) if 0 <= t < V]
                 self.stop_ban_bv[i, banned] = float("-inf")
         self.adjusting = any(x is not None for x in (self.freq_b, self.pres_b, self.min_new_b))
-        self.steps = 0  # tokens generated so far by every row
+        self.steps_b1 = torch.zeros((B, 1), dtype=torch.float32, device=dev)  # tokens generated, per row
 
     def adjust(self, logits_bv: torch.Tensor) -> torch.Tensor:
         """The additive penalties on float32 logits, as SGLang's (a new tensor)."""
@@ -216,7 +221,7 @@ class BatchSampler:
         if self.pres_acc_bv is not None:
             additive_bv -= self.pres_acc_bv
         if self.stop_ban_bv is not None:
-            banning_b1 = self.steps < self.min_new_b
+            banning_b1 = self.steps_b1 < self.min_new_b
             additive_bv += torch.where(banning_b1, self.stop_ban_bv, 0.0)
         return logits_bv + additive_bv
 
@@ -246,11 +251,22 @@ class BatchSampler:
         rows = idx_b.tolist()
         self.top_k = [self.top_k[i] for i in rows]
         self.top_p = [self.top_p[i] for i in rows]
-        for name in ("temps_b", "greedy_b", "min_p_b", "freq_b", "pres_b", "min_new_b",
-                     "freq_acc_bv", "pres_acc_bv", "stop_ban_bv"):
+        for name in ("temps_b", "greedy_b", "steps_b1", *self.COLUMNS, *self.ACCUMULATORS):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[idx_b])
+
+    def join(self, other: BatchSampler) -> None:
+        """Append ``other``'s rows after these (requests joining a running batch), each row
+        keeping its parameters, counters and step count; a feature one side does not use
+        gets its neutral value there."""
+        B, B2 = len(self.top_k), len(other.top_k)
+        self.top_k, self.top_p = self.top_k + other.top_k, self.top_p + other.top_p
+        for name in ("temps_b", "greedy_b", "steps_b1"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        for name, neutral in (*self.COLUMNS.items(), *((n, 0.0) for n in self.ACCUMULATORS)):
+            setattr(self, name, _joined(getattr(self, name), getattr(other, name), B, B2, neutral))
+        self.adjusting = self.adjusting or other.adjusting
 
     def record(self, tok_b: torch.Tensor) -> None:
         """Count the tokens just generated (SGLang's ``cumulate_output_tokens``)."""
@@ -259,7 +275,17 @@ class BatchSampler:
             self.freq_acc_bv.scatter_add_(1, idx_b1, self.freq_b)
         if self.pres_acc_bv is not None:
             self.pres_acc_bv.scatter_(1, idx_b1, self.pres_b)
-        self.steps += 1
+        self.steps_b1 += 1
+
+
+def _joined(a: torch.Tensor | None, b: torch.Tensor | None, rows_a: int, rows_b: int,
+            neutral: float) -> torch.Tensor | None:
+    """``a``'s rows then ``b``'s; a side that is None (unused) filled with ``neutral``."""
+    if a is None and b is None:
+        return None
+    like = a if a is not None else b
+    fill = lambda n: torch.full((n, like.shape[1]), neutral, dtype=like.dtype, device=like.device)  # noqa: E731
+    return torch.cat([a if a is not None else fill(rows_a), b if b is not None else fill(rows_b)])
 
 
 def _column(values: list[float], neutral: float, device: torch.device) -> torch.Tensor | None:

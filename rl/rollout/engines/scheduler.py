@@ -1,10 +1,12 @@
 """The CPU engine's scheduler: concurrent requests decoded together in batches, and SGLang's
 pause and continue (``/pause_generation``, ``/continue_generation``).
 
-Requests are queued and run in batches on one worker thread; a batch closes after a quiet
-gap, and each request is answered as it finishes. While paused no batch starts; what a pause
-does to the running batch depends on its mode (``hf_engine``'s docstring; SGLang 0.5.23's
-``Scheduler.pause_generation``). The scheduler is the running batch's ``PausePoint``.
+Requests are queued and run in batches on one worker thread: a batch starts after a quiet
+gap; requests that arrive while it decodes join it at its next step (SGLang's continuous
+batching), up to ``max_batch_size``; each request is answered as it finishes. While paused no
+batch starts and none joins; what a pause does to the running batch depends on its mode
+(``hf_engine``'s docstring; SGLang 0.5.23's ``Scheduler.pause_generation``). The scheduler is
+the running batch's ``PausePoint``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ flight: not served."""
 class BatchScheduler:
     """Collects concurrent requests and decodes them as one batch on a worker thread; the
     batch's ``PausePoint`` (``pause``, ``resume``)."""
+
+    join_share = 8
+    """Requests join a running batch of ``rows`` once at least ``rows // join_share`` (and
+    one) wait. SGLang admits at every step; on a CPU a prefill's forward pass costs about a
+    decode step of a few rows, so a request or two joining a large batch at every step cost
+    more than they save (``benchmarks/decode_cost.py``'s stream, docs/benchmarks.md). A batch
+    drains as it decodes, so a request left waiting joins once few rows remain, or starts the
+    next batch."""
 
     def __init__(self, engine: HFEngine, max_batch_size: int, batch_wait_s: float) -> None:
         self.engine = engine
@@ -134,7 +144,8 @@ class BatchScheduler:
             waiters = {id(s): (fut, loop) for s, fut, loop in items}
             error = None
             try:
-                self.engine.run([s for s, _, _ in items], self, partial(self._answer, waiters))
+                self.engine.run([s for s, _, _ in items], self, partial(self._answer, waiters),
+                                partial(self._admit, items, waiters))
             except Exception as e:  # the batch fails, the server lives on
                 error = e
             retracted = [] if error else [it for it in items if it[0].finish_reason is None]
@@ -147,6 +158,30 @@ class BatchScheduler:
             if error is not None:  # the requests not answered yet fail with the batch
                 for fut, loop in waiters.values():
                     _settle(loop, _set_exception, fut, error)
+
+    def _admit(self, items: list, waiters: dict, rows: int) -> list[GenState]:
+        """At a step boundary of the running batch, decoding ``rows`` requests: the requests
+        waiting now (retracted ones first) join it, up to ``max_batch_size``, unless paused or
+        fewer than its ``join_share``-th wait."""
+        new = []
+        with self._state:
+            if self.paused_mode is not None:
+                return []
+            if len(self._retracted) + self.queue.qsize() < max(1, rows // self.join_share):
+                return []
+            room = self.max_batch_size - rows
+            new = self._retracted[:max(room, 0)]
+            del self._retracted[:len(new)]
+            while len(new) < room:
+                try:
+                    new.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._waiting -= len(new)
+            self._running += len(new)
+        items += new
+        waiters.update((id(s), (fut, loop)) for s, fut, loop in new)
+        return [s for s, _, _ in new]
 
     def _answer(self, waiters: dict, state: GenState) -> None:
         """A request finished: it leaves the running batch and is answered now (as SGLang
