@@ -125,7 +125,7 @@ class HFRolloutConfig(RolloutConfig):
     """Most requests the CPU engine decodes together."""
     batch_wait_ms: float = 5.0
     """A batch starts once no request has arrived for this long (ms), or at max_batch_size;
-    requests arriving while it decodes join it at its next step."""
+    requests arriving while it decodes join it at a step once enough wait."""
     device: str = "cpu"
     """Device of the CPU engine's model (``cpu``; ``cuda`` works where available)."""
 

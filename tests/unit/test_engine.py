@@ -200,7 +200,8 @@ def test_a_request_arriving_while_a_batch_decodes_joins_it(tiny_path, joiner):
 def test_no_request_joins_while_a_weight_update_waits(tiny_path):
     """A call that needs the engine's lock (here a weight read; an update alike) stops
     admission: the running batch ends and lets it in rather than taking new requests for as
-    long as they come; the request that arrived meanwhile runs in a batch of its own."""
+    long as they come; the request that arrived meanwhile runs in a batch of its own. (SGLang
+    answers reads between two steps; here they wait for the batch, as before joining existed.)"""
     tok = load_tokenizer(tiny_path)
     model = load_model(tiny_path)
     rows = _rows_of_forwards(model)
@@ -225,3 +226,29 @@ def test_no_request_joins_while_a_weight_update_waits(tiny_path):
     a, b, weights = asyncio.run(scenario())
     assert (len(a[0].output_ids), len(b[0].output_ids), len(weights)) == (8, 4, 1)
     assert set(rows) == {1} and len(rows) == 8 + 4  # never decoded together
+
+
+def test_a_request_that_cannot_join_fails_alone(tiny_path):
+    """A request whose prefill fails as it joins a running batch (a token id outside the
+    vocabulary) fails by itself; the running request decodes on untouched and is answered as
+    if alone, and the scheduler counts nothing running after."""
+    tok = load_tokenizer(tiny_path)
+    engine = HFEngine(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
+    scheduler = Gated(engine, max_batch_size=8, batch_wait_s=0.2, at=3)
+    running = GenRequest(tok.encode("ab:"), max_new_tokens=8, ignore_eos=True, temperature=0.0)
+    broken = GenRequest([engine.vocab_size + 7], max_new_tokens=4, ignore_eos=True)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        a = asyncio.ensure_future(scheduler.submit([running]))
+        assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
+        b = asyncio.ensure_future(scheduler.submit([broken]))
+        while scheduler.waiting() == 0:
+            await asyncio.sleep(0.01)
+        scheduler.go.set()
+        return await asyncio.gather(a, b, return_exceptions=True)
+
+    [answered], failed = asyncio.run(scenario())
+    assert isinstance(failed, IndexError), failed
+    assert answered.output_ids == engine.generate([running])[0].output_ids
+    assert (scheduler.running(), scheduler.waiting()) == (0, 0)

@@ -41,7 +41,7 @@ row attends to its own tokens as it would alone (models whose cache holds other 
 full-attention layers wait for the batch to end instead). A weight update outside a pause
 waits for the running batch to end, as SGLang's ``model_update_lock`` makes it wait for the
 requests in flight (``tokenizer_control_mixin.update_weights_from_distributed``), and no
-request joins the batch while it waits.
+request joins the batch while it waits (nor while a weight read or check waits: ``_exclusive``).
 """
 
 from __future__ import annotations
@@ -102,6 +102,9 @@ class GenState:
     """The weight version that sampled the last output token."""
     version_events: list[VersionEvent] = field(default_factory=list)
     retractions: int = 0
+    error: Exception | None = None
+    """Why the request failed on its own (joining a running batch), if it did; it is
+    answered with this error."""
 
     def add(self, token: int, logprob: float, version: str) -> None:
         """Append a token sampled by the weights of ``version``. SGLang records an event on
@@ -183,13 +186,26 @@ class HFEngine:
                     s.retractions += s.finish_reason is None
                 return
             if admit is not None and not self._waiters and batch.joinable:
-                batch.join(self._prefill(admit(len(batch.states)), on_finish))
+                self._join(batch, admit(len(batch.states)), on_finish)
             batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(batch.states), 1))], dim=1)
             batch.pos = batch.pos + 1
             out = self.model(input_ids=batch.tok[:, None], attention_mask=batch.attn,
                              position_ids=batch.pos, use_cache=True, **{self._cache_arg: batch.cache})
             batch.cache = _cache_of(out)
             batch = self._step(batch, out.logits[:, -1, :], on_finish)
+
+    def _join(self, batch: _Batch, new: list[GenState], on_finish: Callable[[GenState], None]) -> None:
+        """``new`` requests join ``batch``. If that fails (a prompt the model refuses, memory)
+        they fail alone, each finished with its ``error``; the batch decodes on untouched."""
+        if not new:
+            return
+        try:
+            batch.join(self._prefill(new, on_finish))
+        except Exception as e:
+            for s in new:
+                if s.finish_reason is None and s.error is None:
+                    s.error = e
+                    on_finish(s)
 
     def _prefill(self, states: list[GenState], on_finish: Callable[[GenState], None]) -> _Batch | None:
         """Run the prompts of ``states`` (and a retracted request's output so far: its KV
@@ -246,9 +262,11 @@ class HFEngine:
 
     @contextmanager
     def _exclusive(self):
-        """The lock, for work beside decoding (weights updated, checked or read): while it
-        waits, no request joins the running batch, so the batch ends and lets it in, as
-        SGLang's ``model_update_lock`` holds new requests back while weights update."""
+        """The lock, for work beside decoding (weights updated, checked or read), which waits
+        for the running batch to end: while it waits no request joins the batch, so the batch
+        ends. For an update this is SGLang's ``model_update_lock``, which holds new requests
+        back; SGLang answers reads and checks between two steps instead, so here they wait
+        longer than there, but no stream of joining requests can hold them off."""
         with self._waiters_lock:
             self._waiters += 1
         try:
@@ -465,11 +483,13 @@ class _Batch:
         row attends to its own tokens only, as it would alone."""
         if other is None:
             return
-        width = max(self.attn.shape[1], other.attn.shape[1])
-        _join_caches(self.cache, other.cache, width)
-        self.attn = torch.cat([_pad_left(self.attn, width, dim=1), _pad_left(other.attn, width, dim=1)])
-        self.pos, self.tok = torch.cat([self.pos, other.pos]), torch.cat([self.tok, other.tok])
+        width = max(self.attn.shape[1], other.attn.shape[1])  # what may fail first, then the batch changes
+        attn = torch.cat([_pad_left(self.attn, width, dim=1), _pad_left(other.attn, width, dim=1)])
+        pos, tok = torch.cat([self.pos, other.pos]), torch.cat([self.tok, other.tok])
+        _map_kv(self.cache, lambda a, b: torch.cat([_pad_left(a, width, -2), _pad_left(b, width, -2)]),
+                other.cache)
         self.sampler.join(other.sampler)
+        self.attn, self.pos, self.tok = attn, pos, tok
         self.states, self.stops, self.tails = (self.states + other.states, self.stops + other.stops,
                                                self.tails + other.tails)
 
@@ -485,35 +505,36 @@ def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 
 def _map_kv(cache, fn, other=None) -> None:
-    """Replace each layer's keys and values ``kv`` by ``fn(kv)``, or by ``fn(kv, other's)``
-    (transformers before 4.56 keeps them in ``key_cache`` and ``value_cache`` lists)."""
+    """Replace each layer's keys and values ``kv`` by ``fn(kv)``, or by ``fn(kv, other's)``;
+    every new tensor is made before any is set (transformers before 4.54 keeps them in
+    ``key_cache`` and ``value_cache`` lists)."""
     if getattr(cache, "layers", None) is None:
-        for name in ("key_cache", "value_cache"):
-            kvs, more = getattr(cache, name), getattr(other, name, None)
-            for i in range(len(kvs)):
-                kvs[i] = fn(kvs[i]) if other is None else fn(kvs[i], more[i])
+        slots = [(getattr(cache, name), getattr(other, name, None), i)
+                 for name in ("key_cache", "value_cache") for i in range(len(cache.key_cache))]
+        new = [fn(kvs[i]) if more is None else fn(kvs[i], more[i]) for kvs, more, i in slots]
+        for (kvs, _, i), kv in zip(slots, new):
+            kvs[i] = kv
         if hasattr(cache, "_seen_tokens"):
             cache._seen_tokens = cache.key_cache[0].shape[-2]
         return
-    for i, layer in enumerate(cache.layers):
-        for name in ("keys", "values"):
-            kv = getattr(layer, name)
-            setattr(layer, name, fn(kv) if other is None else fn(kv, getattr(other.layers[i], name)))
-
-
-def _join_caches(cache, other, width: int) -> None:
-    """Append ``other``'s rows to ``cache``'s, each left-padded along the sequence to ``width``."""
-    _map_kv(cache, lambda a, b: torch.cat([_pad_left(a, width, -2), _pad_left(b, width, -2)]), other)
+    slots = [(layer, name, getattr(other.layers[i], name) if other is not None else None)
+             for i, layer in enumerate(cache.layers) for name in ("keys", "values")]
+    new = [fn(getattr(layer, name)) if more is None else fn(getattr(layer, name), more)
+           for layer, name, more in slots]
+    for (layer, name, _), kv in zip(slots, new):
+        setattr(layer, name, kv)
 
 
 def _rows_joinable(cache) -> bool:
     """Whether requests can join a running batch: a KV cache of full-attention layers only
-    (keys and values along the whole sequence, which ``_join_caches`` pads); a sliding-window
+    (keys and values along the whole sequence, which ``_Batch.join`` pads); a sliding-window
     or recurrent layer's state is not padded so simply."""
     layers = getattr(cache, "layers", None)
-    if layers is None:  # transformers before 4.56: key_cache and value_cache lists
-        return type(cache).__name__ == "DynamicCache"
-    return all(type(layer).__name__ == "DynamicLayer" and layer.is_initialized for layer in layers)
+    if layers is None:  # transformers before 4.54: key_cache and value_cache lists, empty for a skipped layer
+        return type(cache).__name__ == "DynamicCache" and all(
+            k.dim() == 4 and k.numel() for k in (*cache.key_cache, *cache.value_cache))
+    return all(type(layer).__name__ == "DynamicLayer" and getattr(layer, "keys", None) is not None
+               and layer.keys.dim() == 4 for layer in layers)
 
 
 def _rows_selectable(cache) -> bool:
@@ -521,7 +542,7 @@ def _rows_selectable(cache) -> bool:
     whose rows ``batch_select_indices`` keeps (transformers' linear-attention layers of hybrid
     models have recurrent state it does not select); otherwise their rows decode on, unused."""
     layers = getattr(cache, "layers", None)
-    if layers is None:  # transformers before 4.56: key_cache and value_cache lists
+    if layers is None:  # transformers before 4.54: key_cache and value_cache lists
         return type(cache).__name__ == "DynamicCache"
     return all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer") for layer in layers)
 

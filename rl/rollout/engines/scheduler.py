@@ -2,8 +2,9 @@
 pause and continue (``/pause_generation``, ``/continue_generation``).
 
 Requests are queued and run in batches on one worker thread: a batch starts after a quiet
-gap; requests that arrive while it decodes join it at its next step (SGLang's continuous
-batching), up to ``max_batch_size``; each request is answered as it finishes. While paused no
+gap; requests that arrive while it decodes join it at a step boundary once enough wait
+(SGLang's continuous batching; ``join_share``), up to ``max_batch_size``; each request is
+answered as it finishes. While paused no
 batch starts and none joins; what a pause does to the running batch depends on its mode
 (``hf_engine``'s docstring; SGLang 0.5.23's ``Scheduler.pause_generation``). The scheduler is
 the running batch's ``PausePoint``.
@@ -33,8 +34,8 @@ class BatchScheduler:
     join_share = 8
     """Requests join a running batch of ``rows`` once at least ``rows // join_share`` (and
     one) wait. SGLang admits at every step; on a CPU a prefill's forward pass costs about a
-    decode step of a few rows, so a request or two joining a large batch at every step cost
-    more than they save (``benchmarks/decode_cost.py``'s stream, docs/benchmarks.md). A batch
+    decode step of a few rows, so a request or two joining a large batch at every step gain
+    nothing (``benchmarks/decode_cost.py``'s stream, docs/benchmarks.md). A batch
     drains as it decodes, so a request left waiting joins once few rows remain, or starts the
     next batch."""
 
@@ -148,7 +149,8 @@ class BatchScheduler:
                                 partial(self._admit, items, waiters))
             except Exception as e:  # the batch fails, the server lives on
                 error = e
-            retracted = [] if error else [it for it in items if it[0].finish_reason is None]
+            retracted = [] if error else [it for it in items
+                                          if it[0].finish_reason is None and it[0].error is None]
             with self._state:
                 self._running = 0
                 self._retracted += retracted
@@ -188,6 +190,8 @@ class BatchScheduler:
         answers each request as it finishes), not when its batch ends."""
         fut, loop = waiters.pop(id(state))
         try:
+            if state.error is not None:  # it failed alone, joining the batch
+                raise state.error
             answer, settle = self.engine.result(state), _set_result
         except Exception as e:  # this request fails, not its batch
             answer, settle = e, _set_exception
