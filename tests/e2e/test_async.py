@@ -4,7 +4,8 @@
 One-step off-policy and fully async: generation of batch N+1 overlaps training of N, no
 trained sample is staler than allowed, every generated sample is trained exactly once or
 counted as dropped, no store key or process is left, Ctrl-C cleans up, resume continues
-the data where the checkpoint left it. The reward rising: tests/e2e/test_learning.py."""
+the data where the checkpoint left it; held-out evaluation in the one-step loop. The reward
+rising: tests/e2e/test_learning.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.support.helpers import combination_halves
 from tests.support.procs import pids_with, read_until, running
 from tests.support.runs import (REQUIRED, assert_nothing_left, check_ledger, engine_ports, read_ledger,
                                 read_metrics, train_async)
+from tests.support.two_tiers import async_eval_run
 
 COMBOS = combination_halves(BACKENDS)[1]  # tests/e2e/test_weights.py runs the other half
 
@@ -178,3 +180,8 @@ def test_engine_death_in_fully_async_fails_the_run_cleanly(tmp_path, data_path):
     assert "rl.driver.run: samples:" in rest
     assert master.keys() == []
     assert_nothing_left(engine_ports(out))
+
+
+def test_evaluation_runs_in_the_one_step_loop_and_leaves_training_data_alone(tmp_path):
+    """The one-step variant of tests/integration/test_train_async.py's evaluation run."""
+    async_eval_run(False, tmp_path)

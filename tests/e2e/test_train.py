@@ -2,7 +2,9 @@
 checkpoints (with their Hugging Face export), then a colocated run resumed from a checkpoint
 continues the steps, the data and the KL to the initial weights; Ctrl-C as a terminal sends
 it, in a run with a Ray of its own (``make train``), on the ray and mooncake_tcp data paths:
-reported as the user's, exit status 130, every process gone, its Ray and Mooncake master too."""
+reported as the user's, exit status 130, every process gone, its Ray and Mooncake master too;
+and the variants of tests/integration/test_train.py's runs that tier leaves here (a chat
+checkpoint over p2p, the calculator task and turn credit fully async)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 
 from tests.support.procs import own_ray_env, read_until, running
 from tests.support.runs import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
+from tests.support.two_tiers import calculator_run, chat_checkpoint_run, turn_credit_run
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
 
@@ -91,3 +94,16 @@ def test_ctrl_c_is_reported_as_the_users_and_stops_every_process(transfer, tmp_p
     assert (master is not None) == (transfer == "mooncake_tcp"), out
     if master:
         assert not os.path.exists(f"/proc/{master.group(1)}"), "the Mooncake master outlived the run"
+
+
+# The variants of tests/integration/test_train.py's runs that the integration tier leaves here.
+def test_chat_checkpoint_gets_templated_prompts_over_p2p(chat_model_path, tmp_path):
+    chat_checkpoint_run(chat_model_path, "p2p", tmp_path)
+
+
+def test_calculator_task_trains_through_its_rollout_function_fully_async(tmp_path):
+    calculator_run("train_async.py", tmp_path)
+
+
+def test_turn_credit_gives_each_model_turn_its_advantage_fully_async(tmp_path):
+    turn_credit_run("train_async.py", tmp_path)

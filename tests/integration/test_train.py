@@ -1,14 +1,13 @@
 """``train.py`` as a user runs it, a few steps each: an engine that fails to start stops the
-run and the learners setting up, a chat checkpoint on both weight paths, every flat group
-dropped (kept: tests/integration/test_learner.py), held-out evaluation, the multi-turn
-calculator task through its rollout function (step by step and fully async), a rollout
-function that cannot be imported. The runs connect to the module's ``ray start --head``
-(``shared_ray``), as on a multi-node cluster. Resume and Ctrl-C: tests/e2e/test_train.py; the
-reward rising: tests/e2e/test_learning.py."""
+run and the learners setting up, a chat checkpoint (broadcast), every flat group dropped
+(kept: tests/integration/test_learner.py), held-out evaluation, the multi-turn calculator task
+through its rollout function and with turn credit (step by step), a rollout function that
+cannot be imported; the other variants (p2p, fully async) in tests/e2e/test_train.py. The runs
+connect to the module's ``ray start --head`` (``shared_ray``), as on a multi-node cluster.
+Resume and Ctrl-C: tests/e2e/test_train.py; the reward rising: tests/e2e/test_learning.py."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -18,12 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-from rl.tasks.builtin import CalculatorTask
-from tests.support.batches import assert_turn_advantages
-from tests.support.env import REPO, compose
+from tests.support.env import REPO
 from tests.support.helpers import eval_task
-from tests.support.runs import (REQUIRED, assert_nothing_left, engine_ports, read_metrics, train,
-                                train_async)
+from tests.support.runs import REQUIRED, assert_nothing_left, engine_ports, read_metrics, train
+from tests.support.two_tiers import calculator_run, chat_checkpoint_run, turn_credit_run
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
 
@@ -43,30 +40,10 @@ def test_an_engine_that_fails_to_start_stops_the_run_and_the_learners_setting_up
     assert_nothing_left([])  # no rank on the shared head
 
 
-@pytest.mark.parametrize("weights", ["broadcast", "p2p"])
-def test_chat_checkpoint_gets_templated_prompts_on_both_weight_paths(chat_model_path, weights, tmp_path):
-    """``model=hf`` on an instruction-style checkpoint with ``model.chat_template=true``: the
-    engines receive each prompt as a user turn of the checkpoint's template, and the run
-    trains and syncs (every push checks each engine's weight version) to the end."""
-    args = ("model=hf", f"model.path={chat_model_path}", "model.chat_template=true", f"weights={weights}",
-            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2")
-    proc = train(*args, "num_steps=2", "logger=console", f"output_dir={tmp_path}")
-    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
-    assert "step 2/2 | reward" in proc.stdout
-    m = re.search(r"rl\.rollout\.manager: first prompt as sent \((\d+) tokens\): (.*)",
-                  proc.stdout + proc.stderr)
-    assert m, proc.stdout[-3000:]
-    from rl.model import load_tokenizer
-    from rl.tasks.build import build_task
-
-    tokenizer = load_tokenizer(chat_model_path)
-    first = build_task(compose(*args).task).next_prompts(1)[0].text
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": first}],
-                                             add_generation_prompt=True, tokenize=False)
-    assert rendered.startswith("<|system|>answer briefly.<|end|><|user|>")
-    assert ast.literal_eval(m.group(2)) == rendered  # decoded from the ids sent to the engines
-    assert int(m.group(1)) == len(re.sub(r"<\|\w+\|>", "#", rendered))  # a token per character or role tag
-    assert_nothing_left(engine_ports(proc.stdout))
+def test_chat_checkpoint_gets_templated_prompts(chat_model_path, tmp_path):
+    """A chat checkpoint's prompts go to the engines templated, over broadcast (p2p:
+    tests/e2e/test_train.py; ``chat_checkpoint_run`` says what is checked)."""
+    chat_checkpoint_run(chat_model_path, "broadcast", tmp_path)
 
 
 FLAT_PROMPTS = 2
@@ -144,65 +121,16 @@ def test_evaluation_scores_held_out_prompts_with_the_task_reward(tmp_path):
     assert_nothing_left(engine_ports(proc.stdout))
 
 
-CALCULATOR = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
-              "rollout.max_new_tokens=16", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-              "logger=console", "checkpoint.every=0", "eval.every=2", "eval.num_prompts=3",
-              "eval.n_samples=2")
+def test_calculator_task_trains_through_its_multi_turn_rollout_function(tmp_path):
+    """The calculator's tool loop in a ``train.py`` run (fully async: tests/e2e/test_train.py;
+    ``calculator_run`` says what is checked)."""
+    calculator_run("train.py", tmp_path)
 
 
-@pytest.mark.parametrize("entry", ["train.py", "train_async.py"])
-def test_calculator_task_trains_through_its_multi_turn_rollout_function(entry, tmp_path):
-    """``task=calculator`` with ``rollout.function=rl.rollout.functions:calculator_tool``: each
-    group goes through the tool loop, step by step (``train.py``, over Mooncake and the p2p
-    weight path) and fully async (``train_async.py rollout.fully_async=true``, a group at a
-    time, over Ray and broadcast); the run trains, logs every step and ends cleanly; with
-    ``task.copy_credit_fade`` each group is scored as a whole (the task's ``group_reward``). The
-    loss mask of a sample, token by token: tests/unit/test_rollout_functions.py."""
-    fading = (*(o for o in CALCULATOR if not o.startswith("rollout.function=")),
-              "rollout.function=tests.support.helpers:calculator_with_a_right_call",
-              "task.copy_credit=0.25", "task.copy_credit_fade=true", "rollout.dump_every=1")
-    if entry == "train.py":
-        proc = train(*fading, "transfer=mooncake_tcp", "weights=p2p", "num_steps=2",
-                     f"output_dir={tmp_path}")
-    else:
-        proc = train_async(*fading, "transfer=ray", "weights=broadcast",
-                           "rollout.fully_async=true", "num_steps=2", f"output_dir={tmp_path}")
-    rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1]
-    for r in rows:
-        missing = [k for k in REQUIRED if k not in r]
-        assert not missing, missing
-        assert 0.0 <= r["rollout/reward_mean"] <= 1.0
-        assert 0 < r["rollout/response_len_mean"] <= 16
-    assert "step 2/2 | reward" in proc.stdout
-    assert "eval/reward_mean" not in rows[0]  # evaluated once, after the last step, through the tool loop
-    assert 0 < rows[1]["eval/response_len_mean"] <= 16
-    assert_nothing_left(engine_ports(proc.stdout))
-    # each group scored as a whole: its right call took the copy credit off the other sample
-    groups = {}
-    for path in sorted(tmp_path.glob("rollouts/step_*.jsonl")):
-        for d in map(json.loads, open(path)):
-            groups.setdefault((d["step"], d["prompt_index"]), []).append(d["reward"])
-    # (fully async: a dump's step is the batch's number; batches formed ahead are dumped too)
-    assert sorted(step for step, _ in groups)[:4] == [0, 0, 1, 1]
-    assert all(g == pytest.approx([1.0, 0.35]) for g in groups.values()), groups
-    assert rows[1]["eval/reward_mean"] == pytest.approx((1.0 + 0.35) / 2)  # evaluation alike
-
-
-@pytest.mark.parametrize("entry", ["train.py", "train_async.py"])
-def test_turn_credit_gives_each_model_turn_its_advantage(entry, tmp_path):
-    """``algo.turn_credit=true`` on the calculator (step by step over Mooncake, whose buffers
-    make room for the per-token column, and fully async over Ray): every dumped sample's
-    per-token advantages are the task's turn rewards through ``turn_advantages`` over its
-    group, 0 on the tool's tokens, and the run trains and ends cleanly."""
-    run = (train, "transfer=mooncake_tcp") if entry == "train.py" else (
-        train_async, "transfer=ray", "rollout.fully_async=true")
-    proc = run[0](*CALCULATOR, *run[1:], "algo.turn_credit=true", "rollout.dump_every=1", "num_steps=2",
-                  f"output_dir={tmp_path}")
-    assert "step 2/2 | reward" in proc.stdout
-    assert_nothing_left(engine_ports(proc.stdout))
-    dumped = [json.loads(line) for p in sorted(tmp_path.glob("rollouts/step_*.jsonl")) for line in open(p)]
-    assert assert_turn_advantages(dumped, CalculatorTask()) >= 4
+def test_turn_credit_gives_each_model_turn_its_advantage(tmp_path):
+    """``algo.turn_credit=true`` in a ``train.py`` run (fully async: tests/e2e/test_train.py;
+    ``turn_credit_run`` says what is checked)."""
+    turn_credit_run("train.py", tmp_path)
 
 
 def test_a_rollout_function_that_cannot_be_imported_stops_the_run_before_it_starts(tmp_path):
