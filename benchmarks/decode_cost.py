@@ -115,7 +115,9 @@ def stream_lengths(args: argparse.Namespace) -> list[int]:
 
 def streamed(engine, reqs: list, args: argparse.Namespace) -> dict:
     """``reqs`` through the real scheduler, ``--in-flight`` at a time, with requests joining
-    the running batch and batch by batch: seconds and output tokens per second of each."""
+    the running batch and batch by batch: for each, the seconds of every repeat, their median
+    and its output tokens per second, and the forward passes of one run: prefills (a prompt
+    each row) and decode steps, how many and their mean milliseconds."""
     import asyncio
 
     from rl.config.rollout import HFRolloutConfig
@@ -139,19 +141,35 @@ def streamed(engine, reqs: list, args: argparse.Namespace) -> dict:
 
         await asyncio.gather(*(one(r) for r in reqs))
 
+    passes: dict[str, list[float]] = {}
+    started = [0.0]
+
+    def before(module, a, kw):
+        started[0] = time.perf_counter()
+
+    def after(module, a, kw, output):
+        kind = "prefill" if kw["input_ids"].shape[1] > 1 else "decode"
+        passes.setdefault(kind, []).append(time.perf_counter() - started[0])
+
+    engine.model.register_forward_pre_hook(before, with_kwargs=True)
+    engine.model.register_forward_hook(after, with_kwargs=True)
     tokens, out = sum(r.max_new_tokens for r in reqs), {}
     print(f"\n{len(reqs)} requests of 1..{args.tokens} tokens ({tokens} tokens), "
-          f"{args.in_flight} in flight:\n| scheduling | s | tokens/s |\n|---|---|---|")
+          f"{args.in_flight} in flight:\n| scheduling | s | tokens/s | prefill passes (mean ms) "
+          "| decode passes (mean ms) |\n|---|---|---|---|---|")
     for label, cls in ((f"joining once 1/{BatchScheduler.join_share} of the rows wait", BatchScheduler),
                        ("joining at every step", EveryStep), ("batch by batch", BatchByBatch)):
         scheduler, times = cls(engine, max_batch_size=256, batch_wait_s=wait_s), []
         for _ in range(args.repeats):
+            passes.clear()
             t0 = time.perf_counter()
             asyncio.run(send_all(scheduler))
             times.append(time.perf_counter() - t0)
         s = statistics.median(times)
-        out[label] = {"s": s, "tokens_per_s": tokens / s}
-        print(f"| {label} | {s:.3f} | {tokens / s:.0f} |", flush=True)
+        counts = {k: {"passes": len(v), "mean_ms": 1e3 * statistics.mean(v)} for k, v in passes.items()}
+        out[label] = {"s": s, "tokens_per_s": tokens / s, "repeats_s": times, "last_run": counts}
+        cells = [f"{counts[k]['passes']} ({counts[k]['mean_ms']:.1f})" for k in ("prefill", "decode")]
+        print(f"| {label} | {s:.3f} | {tokens / s:.0f} | {' | '.join(cells)} |", flush=True)
     out.update(requests=len(reqs), in_flight=args.in_flight, tokens=tokens)
     return out
 

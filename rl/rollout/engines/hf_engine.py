@@ -46,6 +46,7 @@ request joins the batch while it waits (nor while a weight read or check waits: 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import threading
@@ -486,10 +487,11 @@ class _Batch:
         width = max(self.attn.shape[1], other.attn.shape[1])  # what may fail first, then the batch changes
         attn = torch.cat([_pad_left(self.attn, width, dim=1), _pad_left(other.attn, width, dim=1)])
         pos, tok = torch.cat([self.pos, other.pos]), torch.cat([self.tok, other.tok])
+        sampler = copy.copy(self.sampler)  # join sets new tensors on it, never changes them in place
+        sampler.join(other.sampler)
         _map_kv(self.cache, lambda a, b: torch.cat([_pad_left(a, width, -2), _pad_left(b, width, -2)]),
-                other.cache)
-        self.sampler.join(other.sampler)
-        self.attn, self.pos, self.tok = attn, pos, tok
+                other.cache)  # the cache last: it sets its tensors only once every one is made
+        self.sampler, self.attn, self.pos, self.tok = sampler, attn, pos, tok
         self.states, self.stops, self.tails = (self.states + other.states, self.stops + other.stops,
                                                self.tails + other.tails)
 

@@ -146,15 +146,15 @@ class Routes:
 
     async def health_generate(self, _) -> web.Response:
         """SGLang's health check: one greedy token is queued, and the answer is 200 as soon as
-        the model finishes any batch (a busy engine passes at once), 503 after
-        ``HEALTH_CHECK_TIMEOUT_S`` without one."""
-        before = self.scheduler.batches_done
+        the model decodes a step or finishes a batch (a busy engine passes at once, even while
+        the probe waits to join its batch), 503 after ``HEALTH_CHECK_TIMEOUT_S`` without one."""
+        before = self.scheduler.batches_done, self.scheduler.steps_seen
         probe = asyncio.ensure_future(self.scheduler.submit(
             [GenRequest(input_ids=[0], max_new_tokens=1, temperature=0.0)]))
         self._probes.add(probe)
         probe.add_done_callback(self._probes.discard)
         deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT_S
-        while self.scheduler.batches_done == before and not probe.done():
+        while (self.scheduler.batches_done, self.scheduler.steps_seen) == before and not probe.done():
             if time.monotonic() >= deadline:
                 return web.Response(status=503)
             await asyncio.sleep(0.05)

@@ -33,9 +33,9 @@ class BatchScheduler:
 
     join_share = 8
     """Requests join a running batch of ``rows`` once at least ``rows // join_share`` (and
-    one) wait. SGLang admits at every step; on a CPU a prefill's forward pass costs about a
-    decode step of a few rows, so a request or two joining a large batch at every step gain
-    nothing (``benchmarks/decode_cost.py``'s stream, docs/benchmarks.md). A batch
+    one) wait. SGLang admits at every step; on a CPU a prefill pass of a request or two costs
+    about half a decode step, so joining a large batch at every step is slower than waiting
+    for it to end (``benchmarks/decode_cost.py``'s stream, docs/benchmarks.md). A batch
     drains as it decodes, so a request left waiting joins once few rows remain, or starts the
     next batch."""
 
@@ -51,6 +51,7 @@ class BatchScheduler:
         self._held = False  # the running batch waits, paused in place
         self._retracted: list = []  # requests a pause took off the model, first in the next batch
         self.batches_done = 0  # batches that ended (a sign of life for /health_generate)
+        self.steps_seen = 0  # step boundaries of running batches (one too)
         self.requests_seen = 0  # requests submitted (for tests: which engine got work)
         self.thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         self.thread.start()
@@ -85,6 +86,7 @@ class BatchScheduler:
     def pause_mode(self) -> str | None:
         """The mode the running batch pauses in, at its next step boundary (``PausePoint``)."""
         with self._state:
+            self.steps_seen += 1
             return self.paused_mode
 
     def hold(self) -> None:
