@@ -186,10 +186,11 @@ class Cluster:
             self.watchdog is not None and self.watchdog.fired)
         if self.watchdog is not None:
             self._stop_watchdog()
-            # an actor error can arrive before the next probe: look once more. Not after the
-            # user's Ctrl-C: it reached every process of the terminal's group, and what it
-            # stopped is no failure of the run's.
-            failure = self.watchdog.failure if interrupted or exc_type is None else self.watchdog.check_now()
+            # an actor's or a store's error can arrive before the next probe, or before the
+            # death shows: look a few more rounds. Not after the user's Ctrl-C: it reached
+            # every process of the terminal's group, and what it stopped is no failure of the run's.
+            failure = (self.watchdog.failure if interrupted or exc_type is None
+                       else self.watchdog.check_settling())
         if interrupted:
             logger.warning("interrupted: stopping the run's processes")
         died = learner_death(exc, self.learners) if failure is None and exc is not None \

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Callable, Optional
 
 import ray
@@ -63,6 +64,18 @@ class Watchdog:
                 if why is not None:
                     self.failure = f"{name} died: {why}"
                     break
+        return self.failure
+
+    def check_settling(self) -> Optional[str]:
+        """After the run failed: probe up to ``misses`` rounds, a period apart, until a death
+        is found. A dependency that just died can look alive or only missed for a moment (a
+        killed process's port closes as it finishes exiting), and the error it caused may
+        arrive before that; one probe would leave it unnamed."""
+        for round_ in range(self.misses):
+            if round_:
+                time.sleep(self.period_s)
+            if self.check_now() is not None:
+                break
         return self.failure
 
     def start(self) -> "Watchdog":

@@ -64,6 +64,27 @@ def test_watchdog_names_a_port_that_stopped_listening():
     assert dog.check_now().startswith(f"the master died: 127.0.0.1:{port} refuses")
 
 
+def test_after_a_failure_the_watchdog_probes_until_a_death_shows(monkeypatch):
+    """``check_settling`` (the cluster's exit after an error): a master that still answers
+    the first probe and refuses the next (its process finishing its exit) is named; a healthy
+    one is probed ``misses`` rounds and named nothing."""
+    import rl.probe
+    from rl.driver import watchdog
+    from rl.driver.watchdog import Watchdog
+
+    answers = iter([("up", None), ("refused", "127.0.0.1:9 refuses connections")])
+    monkeypatch.setattr(watchdog, "probe_port", lambda host, port: next(answers))
+    dog = Watchdog(period_s=0.01)
+    dog.watch_port("the master", "127.0.0.1", 9)
+    assert dog.check_settling() == "the master died: 127.0.0.1:9 refuses connections"
+    monkeypatch.setattr(watchdog, "probe_port", rl.probe.probe_port)
+    srv = socket.create_server(("127.0.0.1", 0))
+    healthy = Watchdog(period_s=0.01)
+    healthy.watch_port("the master", "127.0.0.1", srv.getsockname()[1])
+    assert healthy.check_settling() is None
+    srv.close()
+
+
 def test_a_port_without_answer_is_a_miss_and_dead_only_after_repeated_misses(monkeypatch):
     """``rl.probe``: a refusal is a death at once; no answer (a listener whose accept queue
     is full drops the handshake) is a miss, which the watchdog counts: dead at the third in
