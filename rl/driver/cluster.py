@@ -109,6 +109,7 @@ class Cluster:
         ``timeout_s``: bound on each graceful close (short when something already died)."""
         if not ray.is_initialized():
             return
+        t0 = time.monotonic()
         engines = self._engine_actors()
         # The manager closes first, with the driver's store: it writes into the segments the
         # learners lend, and a put still in flight when they unmount them crashes Mooncake's
@@ -135,6 +136,7 @@ class Cluster:
             self._stop_services()
         if self._started_ray:
             ray.shutdown()
+        logger.info("the run's processes stopped in %.1fs", time.monotonic() - t0)
 
     def _master_gone(self) -> bool:
         master = self.runtime.transfer.get("master_server_address")

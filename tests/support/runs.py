@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import suppress
 
 from tests.support.env import REPO
-from tests.support.procs import own_ray_env, pids_with, ray_left
+from tests.support.procs import RUN_ACTORS, own_ray_env, pids_with, ray_left
 
 REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
             "transfer/put_ms", "transfer/get_ms", "transfer/bytes", "transfer/get_gbps",
@@ -23,22 +25,71 @@ REQUIRED = ["perf/step_time", "perf/rollout_time", "perf/train_time", "perf/upda
             "rollout/zero_std_groups", "rollout/solved_frac", "rollout/partial_frac"]
 
 
-def train(*overrides: str, timeout: float = 600, own_ray: bool = False) -> subprocess.CompletedProcess:
+def train(*overrides: str, timeout: float = 420, own_ray: bool = False) -> subprocess.CompletedProcess:
     """``python train.py overrides``, which must succeed; ``own_ray``: with a Ray of its own."""
     env = {**(own_ray_env() if own_ray else os.environ), "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return run_script("train.py", *overrides, env=env, timeout=timeout)
 
 
-def train_async(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def train_async(*overrides: str, timeout: float = 420) -> subprocess.CompletedProcess:
     """``python train_async.py logger=console overrides``, which must succeed."""
-    proc = subprocess.run([sys.executable, "train_async.py", "logger=console", *overrides], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, check=False,
-                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return run_script("train_async.py", "logger=console", *overrides,
+                      env={**os.environ, "HYDRA_FULL_ERROR": "1"}, timeout=timeout)
+
+
+def run_script(script: str, *overrides: str, env: dict[str, str],
+               timeout: float) -> subprocess.CompletedProcess:
+    """``python script overrides``, which must succeed within ``timeout`` (below the test's own
+    limit, so that a run that hangs is reported with where it hangs: every thread's stack of
+    the driver and of the run's actors, by py-spy, and what it printed, instead of
+    pytest-timeout's view of the test waiting)."""
+    proc = subprocess.Popen([sys.executable, script, *overrides], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if proc.poll() is None:
+            what = f"still running after {timeout:.0f}s; its stacks:\n{py_spy_dump(proc.pid)}"
+        else:  # its output can only be held open by a process it started that outlives it
+            holders = pipe_holders(proc.stdout, proc.stderr)
+            what = (f"exited ({proc.returncode}), but after {timeout:.0f}s its output is still held open by "
+                    + "; ".join(f"pid {pid}: {cmd}\n{py_spy_dump(pid)}" for pid, cmd in holders))
+        what += "".join(f"\n{name} (pid {pid}):\n{py_spy_dump(pid)}" for name in RUN_ACTORS
+                        for pid in pids_with(name))
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid, _ in pipe_holders(proc.stdout, proc.stderr):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script} {what}\nstdout:\n{stdout[-3000:]}\n"
+                             f"stderr:\n{stderr[-5000:]}") from None
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return done
+
+
+def pipe_holders(*pipes) -> list[tuple[int, str]]:
+    """The processes (pid, command line) that hold the other end of these pipes open."""
+    inodes = {f"pipe:[{os.fstat(p.fileno()).st_ino}]" for p in pipes}
+    found = []
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()):
+        with suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")[:300]))
+    return found
+
+
+def py_spy_dump(pid: int) -> str:
+    """Every thread's Python stack (and native frames) of a live process, for a hang's report."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    try:
+        out = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=60)
+        return out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(py-spy dump failed: {e})"
 
 
 def read_metrics(out_dir) -> list[dict]:

@@ -1,7 +1,8 @@
 """The CPU engine's generation in this process, no server: decoding stops at the first EOS,
 a burst of requests longer than the batch wait is decoded as one batch, a request that
 finishes leaves its batch and is answered at once, and one that arrives while a batch decodes
-joins it (unless a weight update waits). Over HTTP: tests/integration/test_engine.py."""
+joins it (unless a weight update waits), and ``/health_generate`` passes on a busy batch.
+Over HTTP: tests/integration/test_engine.py."""
 
 from __future__ import annotations
 
@@ -252,3 +253,40 @@ def test_a_request_that_cannot_join_fails_alone(tiny_path):
     assert isinstance(failed, IndexError), failed
     assert answered.output_ids == engine.generate([running])[0].output_ids
     assert (scheduler.running(), scheduler.waiting()) == (0, 0)
+
+
+def test_health_generate_passes_on_a_busy_batch_and_fails_on_a_stuck_one(tiny_path, monkeypatch):
+    """``/health_generate`` on a batch too big for its probe to join (one request waits, the
+    rule asks for an eighth of 16 rows): the running batch's steps answer it while the probe
+    still waits and the batch runs on, as SGLang's check passes on a busy engine; with the
+    batch held at a step boundary and no step coming, it answers 503 once the health timeout
+    passes."""
+    from rl.rollout.engines import hf_server
+
+    monkeypatch.setattr(hf_server, "HEALTH_CHECK_TIMEOUT_S", 1.0)
+    tok = load_tokenizer(tiny_path)
+    engine = HFEngine(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
+    batch = [GenRequest(tok.encode("ab:"), max_new_tokens=40, ignore_eos=True) for _ in range(16)]
+
+    async def probe_at_third_step(stuck: bool):
+        loop = asyncio.get_running_loop()
+        scheduler = Gated(engine, max_batch_size=32, batch_wait_s=0.2, at=3)
+        routes = hf_server.Routes(engine, scheduler, tiny_path)
+        running = asyncio.ensure_future(scheduler.submit(batch))
+        assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
+        if stuck:
+            answer = await routes.health_generate(None)  # held: no step comes
+            seen = None
+        else:
+            probe = asyncio.ensure_future(routes.health_generate(None))
+            while scheduler.waiting() == 0:  # the probe's request queued
+                await asyncio.sleep(0.01)
+        scheduler.go.set()
+        if not stuck:
+            answer = await probe
+            seen = scheduler.waiting(), running.done()
+        await running
+        return answer.status, seen
+
+    assert asyncio.run(probe_at_third_step(stuck=False)) == (200, (1, False))  # probe not joined
+    assert asyncio.run(probe_at_third_step(stuck=True)) == (503, None)
