@@ -35,12 +35,12 @@ def main(dcfg: DictConfig) -> None:
 
     # imported here, not at the top (start-up cost): rl.driver.cluster loads Ray and the roles, about
     # 0.5 s that --help and a config error need not wait for
-    from rl.driver.cluster import Cluster
+    from rl.driver.cluster import STOP_BOUND_S, Cluster
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)
     try:
-        with Cluster(cfg, runtime) as cluster:
+        with Cluster(cfg, runtime, stop_bound_s=STOP_BOUND_S) as cluster:
             rollout, learners, store = cluster.rollout, cluster.learners, cluster.store
             start = resume(cfg, cluster)
             cluster.push_weights(version=start)  # engines serve exactly the learner's weights

@@ -105,13 +105,13 @@ def main(dcfg: DictConfig) -> None:
 
     # imported here, not at the top (start-up cost): rl.driver.cluster loads Ray and the roles, about
     # 0.5 s that --help and a config error need not wait for
-    from rl.driver.cluster import Cluster
+    from rl.driver.cluster import STOP_BOUND_S, Cluster
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)
     held = cfg.rollout.max_inflight_batches if cfg.rollout.fully_async else 2
     try:
-        with Cluster(cfg, runtime, batches_held=held) as cluster:
+        with Cluster(cfg, runtime, batches_held=held, stop_bound_s=STOP_BOUND_S) as cluster:
             loop = fully_async if cfg.rollout.fully_async else one_step_off_policy
             loop(cfg, cluster, logger, runtime)
     finally:

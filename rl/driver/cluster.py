@@ -25,7 +25,7 @@ from rl.driver.nodes import check_nodes, node_environments
 from rl.driver.placement import Placement, describe_placement
 from rl.driver.rollout import RolloutHandle
 from rl.driver.run import resume_hint
-from rl.driver.watchdog import Watchdog, ray_nodes_probe
+from rl.driver.watchdog import Watchdog, exit_if_longer, ray_nodes_probe
 from rl.driver.weights import WeightPusher
 from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK, first_line
 from rl.probe import probe_port
@@ -35,15 +35,24 @@ from rl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
+STOP_BOUND_S = 600.0
+"""The entry points' bound on a run's stop (``Cluster.__exit__``): taking longer in all, the
+process prints every thread's stack and exits with status 1. The graceful closes have
+bounds of their own (the probes about 50 s, the manager's and the learners' closes 60 s
+each, the engines' 30 s, Ray's removal of each placement group 60 s); this one is for what
+has none (a Mooncake client's close, Ray's disconnect)."""
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Cluster:
     """``batches_held``: rollout batches the store holds at once (1 for train.py; generation
-    running ahead holds more), for the store's capacity check."""
+    running ahead holds more), for the store's capacity check. ``stop_bound_s``: the most a
+    stop may take before the process exits (``STOP_BOUND_S``), for a process of its own."""
 
-    def __init__(self, cfg: Config, runtime: Runtime, batches_held: int = 1) -> None:
+    def __init__(self, cfg: Config, runtime: Runtime, batches_held: int = 1,
+                 stop_bound_s: float | None = None) -> None:
         self.cfg = cfg
+        self.stop_bound_s = stop_bound_s  # the entry points: STOP_BOUND_S; None: no bound
         self.runtime = runtime
         self.batches_held = batches_held
         self.rollout: RolloutHandle | None = None
@@ -106,9 +115,14 @@ class Cluster:
     # -- stop --------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 60) -> None:
         """Stop everything this run started; safe to call after a partial start.
-        ``timeout_s``: bound on each graceful close (short when something already died)."""
+        ``timeout_s``: bound on each graceful close (short when something already died).
+        Taking longer than ``stop_bound_s`` in all, the process exits with every thread's stack."""
         if not ray.is_initialized():
             return
+        with exit_if_longer(self.stop_bound_s):
+            self._shutdown(timeout_s)
+
+    def _shutdown(self, timeout_s: float) -> None:
         t0 = time.monotonic()
         engines = self._engine_actors()
         # The manager closes first, with the driver's store: it writes into the segments the
@@ -136,7 +150,7 @@ class Cluster:
             self._stop_services()
         if self._started_ray:
             ray.shutdown()
-        logger.info("the run's processes stopped in %.1fs", time.monotonic() - t0)
+        logger.info("stopping the run's processes took %.1fs", time.monotonic() - t0)
 
     def _master_gone(self) -> bool:
         master = self.runtime.transfer.get("master_server_address")
@@ -183,6 +197,10 @@ class Cluster:
                 raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        with exit_if_longer(self.stop_bound_s):  # the probes and the shutdown below: one bound
+            self._exit(exc_type, exc)
+
+    def _exit(self, exc_type, exc) -> None:
         failure = None
         interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and not (
             self.watchdog is not None and self.watchdog.fired)

@@ -5,4 +5,5 @@ resume runs (engines, a learner rank or the Mooncake master killed mid-run, Ctrl
 resumed from its checkpoint), and the two-node quickstart rehearsed in network namespaces
 (marker ``two_node``: root, iproute2). ``make test-e2e`` runs it."""
 
-from tests.support.fixtures import chat_model_path, data_path, ray_local, shared_ray, tiny_path  # noqa: F401
+from tests.support.fixtures import (chat_model_path, data_path, ray_local, shared_ray,  # noqa: F401
+                                    test_deadline, tiny_path)

@@ -14,7 +14,8 @@ import pytest
 from tests.support.batches import assert_turn_advantages
 from tests.support.runs import read_metrics, train, train_async
 
-pytestmark = pytest.mark.usefixtures("shared_ray")  # the runs connect to one `ray start --head`
+pytestmark = [pytest.mark.usefixtures("shared_ray"),  # the runs connect to one `ray start --head`
+              pytest.mark.timeout(1200)]  # a learning run may take up to 900 s (its own limit)
 CALCULATOR = ("task=calculator", "rollout.function=rl.rollout.functions:calculator_tool",
               "rollout.max_new_tokens=16")
 

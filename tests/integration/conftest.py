@@ -4,4 +4,4 @@ real mooncake_master (``data_path``), gloo process groups in spawned processes (
 and ``train.py`` / ``train_async.py`` runs of a few steps that end as they should."""
 
 from tests.support.fixtures import (chat_model_path, data_path, ranks, ray_local, shared_ray,  # noqa: F401
-                                    tiny_path)
+                                    test_deadline, tiny_path)

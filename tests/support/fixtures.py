@@ -4,17 +4,21 @@ configs need the tiny checkpoint (``tiny_path``) and a tiny chat checkpoint
 not: one local Ray per test module (``ray_local``), one ``ray start --head`` that a module's
 runs share (``shared_ray``), two spawned processes that learners run in (``ranks``), and a
 registered data backend's overrides with a Mooncake master of the test's own
-(``data_path``, parametrized indirectly with a ``BACKENDS`` label)."""
+(``data_path``, parametrized indirectly with a ``BACKENDS`` label); and, autouse where a
+tier imports it, the test's own time limit for the runs it starts (``test_deadline``)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
+from pytest_timeout import _get_item_settings  # how the plugin itself reads a test's limit
 
 from rl.config.transfer import BACKENDS, MooncakeTransferConfig
 from tests.support.env import REPO, compose
 from tests.support.procs import RAY_HEAD_DIR, ray_head
+from tests.support.runs import TEST_DEADLINE
 from transfer.data.mooncake.master import MooncakeMaster
 
 
@@ -66,6 +70,17 @@ def build_chat_checkpoint(path: str) -> str:
 @pytest.fixture(scope="session")
 def chat_model_path(tmp_path_factory) -> str:
     return build_chat_checkpoint(str(tmp_path_factory.mktemp("chat-llama")))
+
+
+@pytest.fixture(autouse=True)
+def test_deadline(request):
+    """When this test's pytest-timeout limit falls, as pytest-timeout reads it (a ``timeout``
+    marker, ``--timeout``, ``PYTEST_TIMEOUT``, the ini's ``timeout``; 0: none): a run it starts
+    (tests/support/runs.py) is stopped and reported before it, not cut off with the test."""
+    limit = _get_item_settings(request.node).timeout
+    TEST_DEADLINE["at"] = time.monotonic() + float(limit) if limit else None
+    yield
+    TEST_DEADLINE["at"] = None
 
 
 @pytest.fixture(scope="module")

@@ -37,59 +37,123 @@ def train_async(*overrides: str, timeout: float = 420) -> subprocess.CompletedPr
                       env={**os.environ, "HYDRA_FULL_ERROR": "1"}, timeout=timeout)
 
 
+TEST_DEADLINE: dict[str, float | None] = {"at": None}
+"""When the running test's pytest-timeout limit falls (``time.monotonic()``), set by the
+``test_deadline`` fixture of tests/support/fixtures.py; None outside a test."""
+DUMP_S = 30.0
+"""The most the stacks of a hung run may take (py-spy, every process at once)."""
+REPORT_S = 120.0
+"""Left before the test's limit for a hung run's report (``DUMP_S``), its stop (30 s at
+most) and what the test's own clock started before the fixture's."""
+
+
 def run_script(script: str, *overrides: str, env: dict[str, str],
                timeout: float) -> subprocess.CompletedProcess:
-    """``python script overrides``, which must succeed within ``timeout`` (below the test's own
-    limit, so that a run that hangs is reported with where it hangs: every thread's stack of
-    the driver and of the run's actors, by py-spy, and what it printed, instead of
-    pytest-timeout's view of the test waiting)."""
+    """``python script overrides``, which must succeed within ``timeout`` (cut to end
+    ``REPORT_S`` before the test's own limit): a run that does not end fails the test with
+    where it waits, every thread's stack of the driver and of the run's actors (py-spy), or,
+    when the driver exited, the processes still holding its output open, instead of
+    pytest-timeout's view of the test waiting. A run is never left behind: whatever ends the
+    wait (its limit, the test's, Ctrl-C) stops it."""
+    asked = timeout
+    if TEST_DEADLINE["at"] is not None:
+        timeout = max(1.0, min(timeout, TEST_DEADLINE["at"] - REPORT_S - time.monotonic()))
     proc = subprocess.Popen([sys.executable, script, *overrides], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    stopped = False
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        if proc.poll() is None:
-            what = f"still running after {timeout:.0f}s; its stacks:\n{py_spy_dump(proc.pid)}"
-        else:  # its output can only be held open by a process it started that outlives it
-            holders = pipe_holders(proc.stdout, proc.stderr)
-            what = (f"exited ({proc.returncode}), but after {timeout:.0f}s its output is still held open by "
-                    + "; ".join(f"pid {pid}: {cmd}\n{py_spy_dump(pid)}" for pid, cmd in holders))
-        what += "".join(f"\n{name} (pid {pid}):\n{py_spy_dump(pid)}" for name in RUN_ACTORS
-                        for pid in pids_with(name))
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid, _ in pipe_holders(proc.stdout, proc.stderr):
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{script} {what}\nstdout:\n{stdout[-3000:]}\n"
-                             f"stderr:\n{stderr[-5000:]}") from None
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            limit = f"{timeout:.0f}s" + ("" if timeout == asked else
+                                         f" (its {asked:.0f}s cut to end before the test's limit)")
+            what = _hang_report(proc, limit)
+            stdout, stderr = _stop(proc)
+            stopped = True
+            raise AssertionError(f"{script} {what}\nstdout:\n{stdout[-3000:]}\n"
+                                 f"stderr:\n{stderr[-5000:]}") from None
+    finally:  # also on pytest-timeout's own limit, or Ctrl-C (its own session: not reached)
+        if not stopped and proc.poll() is None:
+            _stop(proc)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert done.returncode == 0, stdout[-3000:] + stderr[-5000:]
     return done
 
 
+def _hang_report(proc: subprocess.Popen, limit: str) -> str:
+    if proc.poll() is None:
+        what = f"still running after {limit}; its stacks:"
+        pids = [proc.pid]
+    else:  # its output can only be held open by a process it started that outlives it
+        holders = pipe_holders(proc.stdout, proc.stderr)
+        what = (f"exited ({proc.returncode}), but after {limit} its output is still held open by "
+                + ("; ".join(f"pid {pid}: {cmd}" for pid, cmd in holders) or "nothing found now"))
+        pids = [pid for pid, _ in holders]
+    pids += [pid for name in RUN_ACTORS for pid in pids_with(name)]
+    return what + "".join(f"\n--- pid {pid}:\n{stack}" for pid, stack in zip(pids, py_spy_dumps(pids)))
+
+
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """Kill a run (its session) and whatever still holds its output; what it printed."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid, _ in pipe_holders(proc.stdout, proc.stderr):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        return "(its output still held open)", ""
+
+
 def pipe_holders(*pipes) -> list[tuple[int, str]]:
-    """The processes (pid, command line) that hold the other end of these pipes open."""
-    inodes = {f"pipe:[{os.fstat(p.fileno()).st_ino}]" for p in pipes}
+    """The processes (pid, command line) that hold the write end of these pipes (whose read
+    ends the test holds) open."""
+    inodes = {f"pipe:[{os.fstat(p.fileno()).st_ino}]" for p in pipes if not p.closed}
     found = []
-    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit() and int(d) != os.getpid()):
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
         with suppress(OSError):
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")[:300]))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes and _writes(pid, fd):
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")[:300]))
+                    break
     return found
 
 
-def py_spy_dump(pid: int) -> str:
-    """Every thread's Python stack (and native frames) of a live process, for a hang's report."""
+def _writes(pid: int, fd: str) -> bool:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        flags = next(line.split()[1] for line in f if line.startswith("flags:"))
+    return int(flags, 8) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+
+
+def py_spy_dumps(pids: list[int]) -> list[str]:
+    """Every thread's Python stack (with native frames where py-spy can read them) of each
+    live process, all dumped at once, within ``DUMP_S`` in all."""
     spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    deadline = time.monotonic() + DUMP_S
+
+    def start(pid: int, native: bool) -> subprocess.Popen:
+        return subprocess.Popen([spy, "dump", *(["--native"] if native else []), "--pid", str(pid)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(proc: subprocess.Popen) -> tuple[int, str]:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            return proc.returncode, out
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return -1, f"(py-spy dump not done within {DUMP_S:.0f}s)"
+
     try:
-        out = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
-                             text=True, timeout=60)
-        return out.stdout + out.stderr
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"(py-spy dump failed: {e})"
+        results = [finish(p) for p in [start(pid, True) for pid in pids]]
+        retry = [i for i, (rc, _) in enumerate(results) if rc > 0]  # native frames unreadable here?
+        for i, p in zip(retry, [start(pids[i], False) for i in retry]):
+            results[i] = finish(p)
+    except OSError as e:
+        return [f"(py-spy dump failed: {e})"] * len(pids)
+    return [out for _, out in results]
 
 
 def read_metrics(out_dir) -> list[dict]:

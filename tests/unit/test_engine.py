@@ -266,12 +266,14 @@ def test_health_generate_passes_on_a_busy_batch_and_fails_on_a_stuck_one(tiny_pa
     monkeypatch.setattr(hf_server, "HEALTH_CHECK_TIMEOUT_S", 1.0)
     tok = load_tokenizer(tiny_path)
     engine = HFEngine(load_model(tiny_path), tok, eos_token_ids(tiny_path, tok), seed=0)
-    batch = [GenRequest(tok.encode("ab:"), max_new_tokens=40, ignore_eos=True) for _ in range(16)]
 
     async def probe_at_third_step(stuck: bool):
         loop = asyncio.get_running_loop()
         scheduler = Gated(engine, max_batch_size=32, batch_wait_s=0.2, at=3)
         routes = hf_server.Routes(engine, scheduler, tiny_path)
+        # busy: long, so that it still runs when the probe is answered (a step takes milliseconds)
+        batch = [GenRequest(tok.encode("ab:"), max_new_tokens=8 if stuck else 200, ignore_eos=True)
+                 for _ in range(16)]
         running = asyncio.ensure_future(scheduler.submit(batch))
         assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
         if stuck:
