@@ -35,7 +35,8 @@ def main(dcfg: DictConfig) -> None:
 
     # imported here, not at the top (start-up cost): rl.driver.cluster loads Ray and the roles, about
     # 0.5 s that --help and a config error need not wait for
-    from rl.driver.cluster import STOP_BOUND_S, Cluster
+    from rl.driver.bounds import STOP_BOUND_S, exit_if_longer
+    from rl.driver.cluster import Cluster
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)
@@ -59,7 +60,8 @@ def main(dcfg: DictConfig) -> None:
                 logger.log(step, m)
                 maybe_save(cfg, runtime, cluster, step + 1)
     finally:
-        logger.close()
+        with exit_if_longer(STOP_BOUND_S):  # W&B's finish uploads, with no bound of its own
+            logger.close()
 
 
 if __name__ == "__main__":

@@ -105,7 +105,8 @@ def main(dcfg: DictConfig) -> None:
 
     # imported here, not at the top (start-up cost): rl.driver.cluster loads Ray and the roles, about
     # 0.5 s that --help and a config error need not wait for
-    from rl.driver.cluster import STOP_BOUND_S, Cluster
+    from rl.driver.bounds import STOP_BOUND_S, exit_if_longer
+    from rl.driver.cluster import Cluster
 
     runtime = prepare_run(cfg)
     logger = MetricsLogger(cfg, runtime)
@@ -115,7 +116,8 @@ def main(dcfg: DictConfig) -> None:
             loop = fully_async if cfg.rollout.fully_async else one_step_off_policy
             loop(cfg, cluster, logger, runtime)
     finally:
-        logger.close()
+        with exit_if_longer(STOP_BOUND_S):  # W&B's finish uploads, with no bound of its own
+            logger.close()
 
 
 if __name__ == "__main__":

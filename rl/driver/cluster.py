@@ -25,7 +25,8 @@ from rl.driver.nodes import check_nodes, node_environments
 from rl.driver.placement import Placement, describe_placement
 from rl.driver.rollout import RolloutHandle
 from rl.driver.run import resume_hint
-from rl.driver.watchdog import Watchdog, exit_if_longer, ray_nodes_probe
+from rl.driver.bounds import exit_if_longer
+from rl.driver.watchdog import Watchdog, ray_nodes_probe
 from rl.driver.weights import WeightPusher
 from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK, first_line
 from rl.probe import probe_port
@@ -35,19 +36,14 @@ from rl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
-STOP_BOUND_S = 600.0
-"""The entry points' bound on a run's stop (``Cluster.__exit__``): taking longer in all, the
-process prints every thread's stack and exits with status 1. The graceful closes have
-bounds of their own (the probes about 50 s, the manager's and the learners' closes 60 s
-each, the engines' 30 s, Ray's removal of each placement group 60 s); this one is for what
-has none (a Mooncake client's close, Ray's disconnect)."""
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Cluster:
     """``batches_held``: rollout batches the store holds at once (1 for train.py; generation
     running ahead holds more), for the store's capacity check. ``stop_bound_s``: the most a
-    stop may take before the process exits (``STOP_BOUND_S``), for a process of its own."""
+    stop may take before the process exits (``rl.driver.bounds.STOP_BOUND_S``), for a process
+    of its own."""
 
     def __init__(self, cfg: Config, runtime: Runtime, batches_held: int = 1,
                  stop_bound_s: float | None = None) -> None:

@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
 from rl.config import Config, load
+from rl.driver.bounds import EXIT_BOUND_S, exit_after
 from rl.learner.checkpoint import TRAINER_STATE, prune, read_trainer_state, step_dir, write_trainer_state
 from rl.model import largest_param_bytes, resolve_model_path
 from rl.rollout.functions import load as load_rollout_function
@@ -29,14 +30,18 @@ INTERRUPTED = 130
 """Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 
-def exit_on_interrupt(main) -> None:
+def exit_on_interrupt(main, exit_bound_s: float = EXIT_BOUND_S) -> None:
     """Run an entry point's ``main``; Ctrl-C ends the process with status 130 after the
-    run's parts were stopped (``Cluster.__exit__``), with one line instead of a traceback."""
+    run's parts were stopped (``Cluster.__exit__``), with one line instead of a traceback.
+    However ``main`` ends (all of Hydra's jobs done), the process's exit is bounded by
+    ``exit_bound_s`` (``rl.driver.bounds``)."""
     try:
         main()
     except KeyboardInterrupt:
         logger.warning("interrupted by the user (Ctrl-C)")
         sys.exit(INTERRUPTED)
+    finally:
+        exit_after(exit_bound_s)
 
 
 class CheckConfigFirst(Callback):

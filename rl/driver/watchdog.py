@@ -12,14 +12,11 @@ run unwinds through its ``finally`` blocks and ``Cluster.__exit__`` raises an er
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import signal
-import sys
 import threading
 import time
-from contextlib import contextmanager
 from typing import Callable, Optional
 
 import ray
@@ -132,29 +129,3 @@ def ray_nodes_probe() -> Probe:
         return f"{describe_nodes(gone)} left the cluster" if gone else None
 
     return probe
-
-
-@contextmanager
-def exit_if_longer(seconds: float | None):
-    """Inside the block, a process that takes ``seconds`` prints every thread's stack to
-    stderr and exits with status 1 (``faulthandler``: its own thread, so a C call that holds
-    the interpreter cannot stop it). For the stop of a run: Ray's disconnect joins its log
-    threads and waits on the raylet without a bound, and a run that did its work must not
-    then hang where nobody watches it. Nested blocks share the outermost one's bound; None,
-    or no stderr to write to, bounds nothing."""
-    out = sys.__stderr__  # fd 2 itself: a replaced sys.stderr may have no file descriptor
-    if seconds is None or out is None:
-        yield
-        return
-    if _bounds[0] == 0:
-        faulthandler.dump_traceback_later(seconds, exit=True, file=out)
-    _bounds[0] += 1
-    try:
-        yield
-    finally:
-        _bounds[0] -= 1
-        if _bounds[0] == 0:
-            faulthandler.cancel_dump_traceback_later()
-
-
-_bounds = [0]  # exit_if_longer blocks open (one timer per process)

@@ -1,0 +1,52 @@
+"""Bounds on a run's end: a process that did its work must not then hang where nobody
+watches it. Ray's disconnect joins its log threads and waits on the raylet without a bound,
+a Mooncake client's close has none, and interpreter exit joins every non-daemon thread and
+runs every ``atexit`` handler (Ray's and W&B's among them) without one either. Past a bound,
+the process prints every thread's stack to stderr and exits with status 1 (``faulthandler``:
+its own thread, so a C call that holds the interpreter cannot stop it)."""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+from contextlib import contextmanager
+
+STOP_BOUND_S = 600.0
+"""The entry points' bound on a run's stop (``Cluster.__exit__``), and apart on the logger's
+close after it. The graceful closes have bounds of their own (the probes about 50 s, the
+manager's and the learners' closes 60 s each, the engines' 30 s, Ray's removal of each
+placement group 60 s); this one is for what has none (a Mooncake client's close, Ray's
+disconnect, W&B's upload at ``finish``)."""
+EXIT_BOUND_S = 120.0
+"""The most an entry point's process may take to exit once its ``main`` has returned."""
+
+_bounds = [0]  # exit_if_longer blocks open (one faulthandler timer per process)
+
+
+@contextmanager
+def exit_if_longer(seconds: float | None):
+    """Inside the block, a process that takes ``seconds`` exits with every thread's stack.
+    Nested blocks share the outermost one's bound; None, or no stderr to write to, bounds
+    nothing."""
+    out = sys.__stderr__  # fd 2 itself: a replaced sys.stderr may have no file descriptor
+    if seconds is None or out is None:
+        yield
+        return
+    if _bounds[0] == 0:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=out)
+    _bounds[0] += 1
+    try:
+        yield
+    finally:
+        _bounds[0] -= 1
+        if _bounds[0] == 0:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def exit_after(seconds: float) -> None:
+    """From here to the process's end: past ``seconds``, exit with every thread's stack. For
+    the interpreter's exit (``atexit`` handlers, joins of non-daemon threads), which
+    ``faulthandler`` outlives. Replaces any bound still open."""
+    out = sys.__stderr__
+    if out is not None:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=out)
