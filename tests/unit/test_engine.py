@@ -1,12 +1,14 @@
 """The CPU engine's generation in this process, no server: decoding stops at the first EOS,
 a burst of requests longer than the batch wait is decoded as one batch, a request that
 finishes leaves its batch and is answered at once, and one that arrives while a batch decodes
-joins it (unless a weight update waits), and ``/health_generate`` passes on a busy batch.
+joins it (unless a weight update waits), a weight read or check is answered between two
+steps, and ``/health_generate`` passes on a busy batch.
 Over HTTP: tests/integration/test_engine.py."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -199,10 +201,9 @@ def test_a_request_arriving_while_a_batch_decodes_joins_it(tiny_path, joiner):
 
 
 def test_no_request_joins_while_a_weight_update_waits(tiny_path):
-    """A call that needs the engine's lock (here a weight read; an update alike) stops
-    admission: the running batch ends and lets it in rather than taking new requests for as
-    long as they come; the request that arrived meanwhile runs in a batch of its own. (SGLang
-    answers reads between two steps; here they wait for the batch, as before joining existed.)"""
+    """A weight update (the engine's lock, as ``update_weights_from_distributed`` takes it)
+    stops admission: the running batch ends and lets it in rather than taking new requests
+    for as long as they come; the request that arrived meanwhile runs in a batch of its own."""
     tok = load_tokenizer(tiny_path)
     model = load_model(tiny_path)
     rows = _rows_of_forwards(model)
@@ -210,23 +211,80 @@ def test_no_request_joins_while_a_weight_update_waits(tiny_path):
     scheduler = Gated(engine, max_batch_size=8, batch_wait_s=0.2, at=3)
     first = GenRequest(tok.encode("ab:"), max_new_tokens=8, ignore_eos=True)
     second = GenRequest(tok.encode("b:"), max_new_tokens=4, ignore_eos=True)
+    updated = []
+
+    def update():
+        with engine._exclusive():
+            updated.append(len(rows))  # forward passes run when the update got the lock
 
     async def scenario():
         loop = asyncio.get_running_loop()
         a = asyncio.ensure_future(scheduler.submit([first]))
         assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
-        read = loop.run_in_executor(None, engine.get_weights_by_name, "lm_head.weight", 1)
+        waiting = loop.run_in_executor(None, update)
         while engine._waiters == 0:
             await asyncio.sleep(0.01)
         b = asyncio.ensure_future(scheduler.submit([second]))
         while scheduler.waiting() == 0:
             await asyncio.sleep(0.01)
         scheduler.go.set()
-        return await a, await b, await read
+        return await a, await b, await waiting
 
-    a, b, weights = asyncio.run(scenario())
-    assert (len(a[0].output_ids), len(b[0].output_ids), len(weights)) == (8, 4, 1)
+    a, b, _ = asyncio.run(scenario())
+    assert (len(a[0].output_ids), len(b[0].output_ids)) == (8, 4)
+    assert updated == [8]  # after the first batch's 8 passes, before the second's
     assert set(rows) == {1} and len(rows) == 8 + 4  # never decoded together
+
+
+class HeldTwice(Gated):
+    """Held at boundary ``at`` until ``go``, then at the next one until ``again``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.second, self.again = threading.Event(), threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def pause_mode(self):
+        mode = super().pause_mode()
+        if self.boundaries == self.at + 1:
+            self.second.set()
+            assert self.again.wait(30)
+        return mode
+
+
+def test_weight_reads_and_checks_are_answered_between_two_steps(tiny_path):
+    """As SGLang's scheduler does, a weight read and a checksum asked while a batch decodes
+    are answered at its next step boundary, while the batch still runs (here held at the
+    boundary after), with what an idle engine answers; the batch decodes on to its end, and
+    requests may join it meanwhile (only an update stops admission)."""
+    tok = load_tokenizer(tiny_path)
+    model = load_model(tiny_path)
+    rows = _rows_of_forwards(model)
+    engine = HFEngine(model, tok, eos_token_ids(tiny_path, tok), seed=0)
+    idle = (engine.get_weights_by_name("lm_head.weight", 2), engine.check_weights("checksum"))
+    scheduler = HeldTwice(engine, max_batch_size=8, batch_wait_s=0.2, at=3)
+    running = GenRequest(tok.encode("ab:"), max_new_tokens=8, ignore_eos=True)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        a = asyncio.ensure_future(scheduler.submit([running]))
+        assert await loop.run_in_executor(None, scheduler.reached.wait, 30)
+        read = loop.run_in_executor(None, engine.get_weights_by_name, "lm_head.weight", 2)
+        check = loop.run_in_executor(None, engine.check_weights, "checksum")
+        while len(engine._asides) < 2:
+            await asyncio.sleep(0.01)
+        assert not read.done() and not check.done()  # the batch holds the engine: they wait
+        scheduler.go.set()
+        assert await loop.run_in_executor(None, scheduler.second.wait, 30)
+        answered = await asyncio.wait_for(asyncio.gather(read, check), 30)  # batch still held
+        assert len(rows) == 4 and not a.done()  # answered at boundary 3, held at 4
+        scheduler.again.set()
+        return answered, await a
+
+    (weights, checksums), a = asyncio.run(scenario())
+    assert (weights, checksums) == idle
+    assert len(a[0].output_ids) == 8 and len(rows) == 8
+    with pytest.raises(ValueError, match="not supported"):
+        engine.check_weights("snapshot")
 
 
 def test_a_request_that_cannot_join_fails_alone(tiny_path):

@@ -41,7 +41,9 @@ row attends to its own tokens as it would alone (models whose cache holds other 
 full-attention layers wait for the batch to end instead). A weight update outside a pause
 waits for the running batch to end, as SGLang's ``model_update_lock`` makes it wait for the
 requests in flight (``tokenizer_control_mixin.update_weights_from_distributed``), and no
-request joins the batch while it waits (nor while a weight read or check waits: ``_exclusive``).
+request joins the batch while it waits (``_exclusive``). Weight reads and checks are answered
+between two decode steps of the running batch, as SGLang's scheduler answers them from its
+loop (``_between_steps``), or at once when nothing runs.
 """
 
 from __future__ import annotations
@@ -143,8 +145,10 @@ class HFEngine:
         self._noise = torch.Generator(device=self.device).manual_seed(seed + 1)  # not the sampler's
         self.weight_version = weight_version
         self.lock = threading.Lock()  # a batch and a weight update never overlap
-        self._waiters = 0  # threads waiting for the lock to update or read weights
+        self._waiters = 0  # threads waiting for the lock to update weights
         self._waiters_lock = threading.Lock()
+        self._asides: list[_Aside] = []  # weight reads and checks waiting for a step boundary
+        self._asides_lock = threading.Lock()
         self.groups: dict[str, SideGroup] = {}
         self.session: dict | None = None  # the open weight-update session, if any
         self._session_lock = threading.Lock()
@@ -186,6 +190,8 @@ class HFEngine:
                 for s in batch.states:
                     s.retractions += s.finish_reason is None
                 return
+            if self._asides:
+                self._run_asides()
             if admit is not None and not self._waiters and batch.joinable:
                 self._join(batch, admit(len(batch.states)), on_finish)
             batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(batch.states), 1))], dim=1)
@@ -263,11 +269,9 @@ class HFEngine:
 
     @contextmanager
     def _exclusive(self):
-        """The lock, for work beside decoding (weights updated, checked or read), which waits
-        for the running batch to end: while it waits no request joins the batch, so the batch
-        ends. For an update this is SGLang's ``model_update_lock``, which holds new requests
-        back; SGLang answers reads and checks between two steps instead, so here they wait
-        longer than there, but no stream of joining requests can hold them off."""
+        """The lock, for a weight update, which waits for the running batch to end: while it
+        waits no request joins the batch, so the batch ends (SGLang's ``model_update_lock``,
+        which holds new requests back)."""
         with self._waiters_lock:
             self._waiters += 1
         try:
@@ -279,6 +283,30 @@ class HFEngine:
             yield
         finally:
             self.lock.release()
+
+    def _between_steps(self, fn: Callable[[], object]) -> object:
+        """``fn()`` (a weight read or check) with no forward pass running: run by the decoding
+        thread at the running batch's next step boundary, or here as soon as the engine's lock
+        is free (no batch, a batch paused in place, or after a weight update). SGLang's
+        scheduler answers these from its loop, between two steps."""
+        job = _Aside(fn)
+        with self._asides_lock:
+            self._asides.append(job)
+        while True:
+            if self.lock.acquire(blocking=False):
+                try:
+                    self._run_asides()
+                finally:
+                    self.lock.release()
+            if job.done.wait(ASIDE_POLL_S):
+                return job.outcome()
+
+    def _run_asides(self) -> None:
+        """Run the reads and checks waiting (the engine's lock held): each by one thread."""
+        with self._asides_lock:
+            jobs, self._asides = self._asides, []
+        for job in jobs:
+            job.run()
 
     def _retracting(self, pause: PausePoint) -> bool:
         """At a step boundary: True to retract the batch; paused in place, wait here with
@@ -407,7 +435,11 @@ class HFEngine:
         entry of ``skip``. The hash is SGLang's for CPU tensors (the first 8 bytes of the
         SHA-256 of the tensor's bytes); only equality between two answers of one engine
         means anything."""
-        with self._exclusive():
+        if action not in ("reset_tensors", "checksum"):
+            raise ValueError(f"action={action!r} is not supported by the CPU engine "
+                             "(it serves checksum and reset_tensors)")
+
+        def check() -> dict[str, str] | None:
             tensors = {n: t for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]
                        if not any(p in n for p in (*UNCHECKED_BUFFERS, *(skip or ())))}
             if action == "reset_tensors":
@@ -417,12 +449,13 @@ class HFEngine:
                              torch.randint(0, 2, t.shape, generator=self._noise, device=self.device))
                     t.data.copy_(noise.to(t.dtype))
                 return None
-            if action != "checksum":
-                raise ValueError(f"action={action!r} is not supported by the CPU engine "
-                                 "(it serves checksum and reset_tensors)")
-            checksums = {n: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1)
-                                           .view(torch.uint8).numpy()).digest()[:8].hex()
-                         for n, t in tensors.items()}
+            return {n: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1)
+                                      .view(torch.uint8).numpy()).digest()[:8].hex()
+                    for n, t in tensors.items()}
+
+        checksums = self._between_steps(check)
+        if checksums is None:
+            return None
         overall = hashlib.sha256()
         for name in sorted(checksums):
             overall.update(name.encode() + checksums[name].encode())
@@ -440,8 +473,33 @@ class HFEngine:
         param = dict(self.model.named_parameters(remove_duplicate=False)).get(name)
         if param is None:
             raise ValueError(f"no parameter {name!r}")
-        with self._exclusive():
-            return param.detach()[:truncate_size].float().cpu().tolist()
+        return self._between_steps(lambda: param.detach()[:truncate_size].float().cpu().tolist())
+
+
+ASIDE_POLL_S = 0.01
+"""How often a read or check waiting for the engine looks whether its lock is free."""
+
+
+class _Aside:
+    """A read or check waiting for a step boundary, run once, by whichever thread takes it."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn, self.done = fn, threading.Event()
+        self.value: object = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # raised again in the thread that asked
+            self.error = e
+        finally:
+            self.done.set()
+
+    def outcome(self) -> object:
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 @dataclass
