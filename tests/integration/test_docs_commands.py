@@ -24,8 +24,9 @@ from tests.support.docs import (LANGS, console_sessions, doc_commands, doc_pages
 from tests.support.env import REPO, compose
 
 TRAIN_SCRIPTS = ("train.py", "train_async.py")
-SUMMARIES = {"scripts/calculator_summary.py": "rollout.md", "scripts/curve_summary.py": "async.md"}
-"""Scripts that print rows of a page's table from the runs kept in docs/runs, and the page."""
+SUMMARIES = {"scripts/calculator_summary.py", "scripts/curve_summary.py"}
+"""Scripts that print rows of a table from the runs kept in docs/runs: the page that shows the
+command holds them."""
 MAKE_TARGETS = set(re.findall(r"^([\w-]+):", open(os.path.join(REPO, "Makefile")).read(), re.M))
 
 
@@ -84,7 +85,7 @@ def _run(cmd: list[str], cwd: str, timeout: float = 60) -> subprocess.CompletedP
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _python(args: list[str], tmp_path, request) -> None:
+def _python(args: list[str], tmp_path, request, page: str) -> None:
     script = args[0]
     if script in TRAIN_SCRIPTS:
         if "--help" in args:  # Hydra's help: run it, it is quick
@@ -110,7 +111,6 @@ def _python(args: list[str], tmp_path, request) -> None:
         assert proc.returncode == 0, proc.stderr
         assert json.loads(dst.read_text())["label"] == "2"
     elif script in SUMMARIES:  # run for real on the runs kept in docs/runs
-        page = SUMMARIES[script]
         paths = [a for a in args[1:] if not a.startswith("--")]
         flags = [a for a in args[1:] if a in ("--mean", "--by-dump")]
         proc = _run([sys.executable, os.path.join(REPO, script), *flags,
@@ -124,12 +124,12 @@ def _python(args: list[str], tmp_path, request) -> None:
         # the rows' figures (all but the name; "-" where the run kept no data for a column) are
         # rows of the page's table, in the command's order, one after the other
         cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")][1:]  # noqa: E731
-        with open(os.path.join(REPO, "docs", page)) as f:
+        with open(os.path.join(REPO, page)) as f:
             rows = [cells(line) for line in f if line.startswith("| ")]
         got = [cells(line) for line in printed]
         fits = lambda row, want: len(row) == len(want) and all(g in ("-", w) for g, w in zip(want, row))  # noqa: E731
         starts = [i for i in range(len(rows) - len(got) + 1) if all(map(fits, rows[i:i + len(got)], got))]
-        assert starts, f"{proc.stdout} are not rows of docs/{page}, in order, one after the other"
+        assert starts, f"{proc.stdout} are not rows of {page}, in order, one after the other"
     elif script.startswith(("scripts/plot", "benchmarks/plot")):  # run for real; figures to tmp
         argv = [str(tmp_path / os.path.basename(a)) if a.endswith(".png") else os.path.join(REPO, a)
                 for a in args[1:]]
@@ -153,7 +153,7 @@ def test_doc_command(page, cmd, tmp_path, request):
     cmd = _strip_prefixes(cmd)
     head = cmd[0]
     if head in ("python", ".venv/bin/python"):
-        _python(cmd[1:], tmp_path, request)
+        _python(cmd[1:], tmp_path, request, page)
     elif head == "make":
         target = cmd[1]
         assert target in MAKE_TARGETS, f"the Makefile has no target {target}"
