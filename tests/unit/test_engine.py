@@ -285,6 +285,8 @@ def test_weight_reads_and_checks_are_answered_between_two_steps(tiny_path):
     assert len(a[0].output_ids) == 8 and len(rows) == 8
     with pytest.raises(ValueError, match="not supported"):
         engine.check_weights("snapshot")
+    with pytest.raises(ZeroDivisionError):  # what fails between steps fails in the thread that asked
+        engine._between_steps(lambda: 1 / 0)
 
 
 def test_a_request_that_cannot_join_fails_alone(tiny_path):

@@ -179,7 +179,11 @@ class HFEngine:
         called, on this thread, as each request finishes. ``admit(rows)``, asked at each step
         boundary with the rows decoding, gives requests that join the batch there."""
         with self.lock:
-            self._run(states, pause, on_finish or (lambda s: None), admit)
+            self._run_asides()  # also before and after: batches without a step boundary
+            try:  # (every request done at its prefill) must not starve a read that waits
+                self._run(states, pause, on_finish or (lambda s: None), admit)
+            finally:
+                self._run_asides()
 
     def _run(self, states: list[GenState], pause: PausePoint | None,
              on_finish: Callable[[GenState], None],
@@ -288,7 +292,9 @@ class HFEngine:
         """``fn()`` (a weight read or check) with no forward pass running: run by the decoding
         thread at the running batch's next step boundary, or here as soon as the engine's lock
         is free (no batch, a batch paused in place, or after a weight update). SGLang's
-        scheduler answers these from its loop, between two steps."""
+        scheduler answers these from its loop, between two steps; as there, a
+        ``reset_tensors`` check lands under the requests in flight (the driver's coverage check
+        runs before any rollout)."""
         job = _Aside(fn)
         with self._asides_lock:
             self._asides.append(job)
