@@ -1,4 +1,5 @@
-"""Summarise reward curves of 200-step runs as rows of the tables in docs/async.md.
+"""Summarise reward curves of 200-step runs as rows of the tables in docs/async.md and
+docs/benchmarks.md.
 
 Per run (steps counted from 1): the mean reward (`rollout/reward_mean`) over steps 1-10,
 91-100 and 181-200 (and for a run of 400 steps or more, 281-300 and 381-400 too); the first

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 logger = logging.getLogger(__name__)
 
 STOP_BOUND_S = 600.0
-"""The entry points' bound on a run's stop (``Cluster.__exit__``), and apart on the logger's
-close after it. The graceful closes have bounds of their own (the probes about 50 s, the
+"""The entry points' bound on a run's stop (``Cluster.__exit__``), and, separately, on the
+logger's close after it. The graceful closes have bounds of their own (the probes about 50 s, the
 manager's and the learners' closes 60 s each, the engines' 30 s, Ray's removal of each
 placement group 60 s); this one is for what has none (a Mooncake client's close, Ray's
 disconnect, W&B's upload at ``finish``)."""
@@ -38,8 +38,9 @@ def exit_if_longer(seconds: float | None):
     if seconds is None or out is None or _exiting[0]:
         yield
         return
-    if _bounds[0] == 0:
-        faulthandler.dump_traceback_later(seconds, exit=True, file=out)
+    if _bounds[0] == 0 and not _arm(seconds, out, "a stop of the run"):
+        yield
+        return
     _bounds[0] += 1
     try:
         yield
@@ -53,12 +54,19 @@ def exit_after(seconds: float) -> None:
     """From here to the process's end: past ``seconds``, exit with every thread's stack. For
     the interpreter's exit (``atexit`` handlers, joins of non-daemon threads), which
     ``faulthandler`` outlives. Replaces any bound still open. Called in a ``finally``: a
-    bound that cannot be armed (no stderr, no thread) is logged, not raised over the outcome."""
+    bound that cannot be armed (its thread not started) is logged, not raised over the
+    outcome; with no stderr there is nothing to write the stacks to, and nothing is armed."""
     out = sys.__stderr__
-    if out is None:
-        return
+    if out is not None and _arm(seconds, out, "the process's exit"):
+        _exiting[0] = True
+
+
+def _arm(seconds: float, out, what: str) -> bool:
+    """Start the one timer; False, logged, when it cannot start (around a run's end: never
+    raised over the run's own outcome)."""
     try:
         faulthandler.dump_traceback_later(seconds, exit=True, file=out)
-        _exiting[0] = True
+        return True
     except Exception as e:
-        logger.warning("the process's exit is not bounded: %s", e)
+        logger.warning("%s is not bounded: %s", what, e)
+        return False

@@ -20,12 +20,12 @@ from ray._private.services import canonicalize_bootstrap_address
 
 from rl.backends import data_path
 from rl.config import Config
+from rl.driver.bounds import exit_if_longer
 from rl.driver.learners import LearnerGroup, learner_death
 from rl.driver.nodes import check_nodes, node_environments
 from rl.driver.placement import Placement, describe_placement
 from rl.driver.rollout import RolloutHandle
 from rl.driver.run import resume_hint
-from rl.driver.bounds import exit_if_longer
 from rl.driver.watchdog import Watchdog, ray_nodes_probe
 from rl.driver.weights import WeightPusher
 from rl.log import LEVEL_ENV, WORKER_SETUP_HOOK, first_line

@@ -26,7 +26,7 @@ from tests.support.env import REPO, compose
 TRAIN_SCRIPTS = ("train.py", "train_async.py")
 SUMMARIES = {"scripts/calculator_summary.py", "scripts/curve_summary.py"}
 """Scripts that print rows of a table from the runs kept in docs/runs: the page that shows the
-command holds them."""
+command holds them (a command shown on two pages is run once, held to the first page read)."""
 MAKE_TARGETS = set(re.findall(r"^([\w-]+):", open(os.path.join(REPO, "Makefile")).read(), re.M))
 
 

@@ -254,8 +254,7 @@ class HeldTwice(Gated):
 def test_weight_reads_and_checks_are_answered_between_two_steps(tiny_path):
     """As SGLang's scheduler does, a weight read and a checksum asked while a batch decodes
     are answered at its next step boundary, while the batch still runs (here held at the
-    boundary after), with what an idle engine answers; the batch decodes on to its end, and
-    requests may join it meanwhile (only an update stops admission)."""
+    boundary after), with what an idle engine answers; the batch decodes on to its end."""
     tok = load_tokenizer(tiny_path)
     model = load_model(tiny_path)
     rows = _rows_of_forwards(model)

@@ -72,6 +72,9 @@ UNCHECKED_BUFFERS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "fre
                      "expert_mask_gpu")
 """Name parts of the buffers SGLang's weight checker leaves alone (derived, not loaded)."""
 
+ASIDE_POLL_S = 0.01
+"""How often a read or check waiting for the engine looks whether its lock is free."""
+
 OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() "
                    "and end_weight_update()")
 
@@ -179,8 +182,10 @@ class HFEngine:
         called, on this thread, as each request finishes. ``admit(rows)``, asked at each step
         boundary with the rows decoding, gives requests that join the batch there."""
         with self.lock:
-            self._run_asides()  # also before and after: batches without a step boundary
-            try:  # (every request done at its prefill) must not starve a read that waits
+            # reads and checks also before and after the batch: batches with no step boundary
+            # (every request done at its prefill) must not starve one that waits
+            self._run_asides()
+            try:
                 self._run(states, pause, on_finish or (lambda s: None), admit)
             finally:
                 self._run_asides()
@@ -481,9 +486,6 @@ class HFEngine:
             raise ValueError(f"no parameter {name!r}")
         return self._between_steps(lambda: param.detach()[:truncate_size].float().cpu().tolist())
 
-
-ASIDE_POLL_S = 0.01
-"""How often a read or check waiting for the engine looks whether its lock is free."""
 
 
 class _Aside:
